@@ -104,9 +104,12 @@ def bench(session: nox.Session, backend: str) -> None:
     elif backend == "jax":
         session.install("jax>=0.10", CORE, SIM, JAX)
         session.run("python", "benchmarks/bench_jax.py", *session.posargs, env=XLA_8)
+        session.run("python", "benchmarks/bench_input.py", "--backend", "jax", env=XLA_8)
+        session.run("python", "benchmarks/bench_multiworker.py", "--engine", "jax")
     else:
         session.install(TORCH_PIN, CORE, SIM, TORCH)
         session.run("python", "benchmarks/bench_torch.py", *session.posargs)
+        session.run("python", "benchmarks/bench_multiworker.py", "--engine", "torch")
 
 
 @nox.session(python=PY)
@@ -179,7 +182,9 @@ POLYDIST_PURE = [
     "array-api-compat>=1.9",
     *TEST_DEPS,
 ]
-XLA_CPU_4 = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+# The 4 XLA devices stand in for TPU cores in TPUStrategy: the conformance oracle's local
+# TPU must have 4 cores too (v4-8: 4 single-device chips).
+XLA_CPU_4 = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "POLYDIST_LOCAL_TPU": "v4-8"}
 
 
 def _torch_xla_venv() -> Path:

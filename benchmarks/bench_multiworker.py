@@ -7,7 +7,10 @@ tensor size (1, 4, 16, 64 MiB of float32) and engine, in one run:
 * **raw**: the engine's collective by hand: ``torch.distributed.all_reduce``
   (gloo), or a ``jax.shard_map`` ``psum`` over one device per process;
 * **strategy**: ``strategy.run(lambda v: ctx.all_reduce(SUM, v), (v,))`` on
-  ``polydist_torch`` / ``polydist_jax``'s ``MultiWorkerMirroredStrategy``.
+  ``polydist_torch`` / ``polydist_jax``'s ``MultiWorkerMirroredStrategy``;
+* torch only, **raw keeping its input**: ``dist.all_reduce(v.clone())``, the
+  hand-written equivalent of TF's out-of-place all_reduce (extra information;
+  the ratio's baseline is the in-place raw collective).
 
 The two alternate, after warm-up; each time is the median over repeats of
 worker 0's wall time. ``ratio = raw time / strategy time`` (the strategy's
@@ -261,10 +264,13 @@ def main() -> int:
         "bandwidth); GB/s = tensor bytes / median time of worker 0. Each run alternates the "
         "variants after warm-up, with a barrier before each call. torch's raw all_reduce works "
         "in place; the strategy's all_reduce returns a new tensor and leaves its input "
-        "unchanged (TF's semantics), so it also pays a copy into freshly allocated memory "
-        "(page faults: the kernel zeroes it first); 'raw keeping its input' "
-        "(dist.all_reduce(x.clone())) is the hand-written equivalent. jax's psum is out of "
-        "place already.",
+        "unchanged (TF's semantics). polydist_torch reduces host tensors of 1 MiB or more "
+        "with a ring over gloo's send/recv that reads the input and writes the result (no "
+        "separate copy pass), into host memory recycled from results the program dropped (no "
+        "page faults on fresh memory). 'raw keeping its input' (dist.all_reduce(x.clone())) "
+        "is the hand-written equivalent, which pays both. At 1 MiB the fixed cost of a "
+        "strategy.run call (and the cross-process collective check's store round trip, "
+        "$POLYDIST_CHECK_COLLECTIVES) weighs most. jax's psum is out of place already.",
         "target": f"ratio >= {TARGET} for 1-64 MiB",
         "ratios": [
             {

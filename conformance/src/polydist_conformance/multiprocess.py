@@ -12,6 +12,8 @@ worker, whose cluster comes from the environment (``TF_CONFIG``, set by
   and writes ``OUT/progress<i>``; ``--stall-at K`` (worker 1 only) stops calling
   collectives at step K. Writes ``OUT/train<i>.npz``.
 * ``late`` (worker 1 only): sleeps instead of joining.
+* ``mismatch --case C``: the workers disagree on a collective (`mismatch`); writes
+  ``OUT/done<i>`` if it returns.
 
 A worker that fails writes ``OUT/error<i>.json`` (the error's class and message) and
 exits with code 17.
@@ -105,6 +107,22 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     out["reduce_axis_mean"] = [_one(strategy, strategy.reduce(pd.ReduceOp.MEAN, uneven, axis=0))]
     out["gather"] = [_one(strategy, strategy.gather(uneven, axis=0))]
     out["host_sum"] = [_one(strategy, strategy.reduce(pd.ReduceOp.SUM, np.float32(1.5), axis=None))]
+    flags = strategy.experimental_distribute_values_from_function(
+        lambda c: np.array([True, c.replica_id_in_sync_group % 2 == 0])
+    )
+    refused = []
+    cases: list[tuple[pd.ReduceOp, Any, int | None]] = [
+        (pd.ReduceOp.SUM, flags, None),
+        (pd.ReduceOp.MEAN, flags, 0),
+        (pd.ReduceOp.SUM, np.bool_(True), None),
+    ]
+    for op, value, axis in cases:
+        try:  # every worker refuses before any collective, so they stay in step
+            strategy.reduce(op, value, axis=axis)
+            refused.append(False)
+        except TypeError as e:
+            refused.append("cannot SUM bool" in str(e))
+    out["bool_refused"] = [np.asarray(refused)]
     pipelines: list[tuple[int, int]] = []
 
     def dataset_fn(ctx: pd.InputContext) -> Any:
@@ -155,6 +173,54 @@ def program(strategy: pd.Strategy, steps: int = 3) -> dict[str, list[np.ndarray]
     return {**collectives(strategy), **sgd(strategy, steps)}
 
 
+MISMATCH_CASES = ("op", "shape", "reduce_op", "extra", "early_exit")
+
+
+def mismatch_site(marker: str) -> str:
+    """``multiprocess.py:N``: the line of `mismatch` that ends ``# mismatch: <marker>``."""
+    lines = Path(__file__).read_text().splitlines()
+    hits = [n for n, text in enumerate(lines, start=1) if text.endswith(f"# mismatch: {marker}")]
+    if len(hits) != 1:
+        raise ValueError(f"{len(hits)} lines of {__file__} end with '# mismatch: {marker}'")
+    return f"{Path(__file__).name}:{hits[0]}"
+
+
+def mismatch(strategy: pd.Strategy, case: str, rank: int) -> None:
+    """One agreeing collective, then worker 0 and worker 1 disagree on the next one. Each
+    disagreeing call ends with ``# mismatch: <case>`` (and `` (worker <i>)`` where the
+    workers' calls are on different lines): see `mismatch_site`."""
+    values = strategy.experimental_distribute_values_from_function(
+        lambda c: np.full(3, c.replica_id_in_sync_group, dtype=np.float32)
+    )
+
+    def sums(v: Any) -> Any:
+        return _ctx().all_reduce(pd.ReduceOp.SUM, v)  # mismatch: op (worker 0)
+
+    def gathers(v: Any) -> Any:
+        return _ctx().all_gather(v, axis=0)  # mismatch: op (worker 1)
+
+    def sums_ones(size: int) -> Any:
+        return _ctx().all_reduce(pd.ReduceOp.SUM, np.ones(size, np.float32))  # mismatch: shape
+
+    strategy.run(lambda v: _ctx().all_reduce(pd.ReduceOp.SUM, v), args=(values,))
+    if case == "op":
+        strategy.run(sums if rank == 0 else gathers, args=(values,))
+    elif case == "shape":
+        strategy.run(sums_ones, args=(3 if rank == 0 else 4,))
+    elif case == "reduce_op":
+        op = pd.ReduceOp.SUM if rank == 0 else pd.ReduceOp.MEAN
+        strategy.reduce(op, values, axis=None)  # mismatch: reduce_op
+    elif case == "extra":
+        if rank == 0:
+            strategy.reduce(pd.ReduceOp.SUM, values, axis=None)  # mismatch: extra (worker 0)
+        strategy.gather(values, axis=0)  # mismatch: extra (worker 1)
+    elif case == "early_exit":
+        if rank == 0:
+            strategy.reduce(pd.ReduceOp.SUM, values, axis=None)  # mismatch: early_exit (worker 0)
+    else:
+        raise ValueError(f"unknown mismatch case {case!r}; expected one of {MISMATCH_CASES}")
+
+
 def _save(path: Path, results: dict[str, list[np.ndarray]]) -> None:
     arrays = {f"{k}#{i}": v for k, vs in results.items() for i, v in enumerate(vs)}
     np.savez(path, **arrays)  # type: ignore[arg-type]  # stubs type savez kwargs as flags
@@ -203,13 +269,14 @@ def _train(strategy: pd.Strategy, args: argparse.Namespace, out: Path, rank: int
 def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("mode", choices=["compute", "train", "late"])
+    parser.add_argument("mode", choices=["compute", "train", "late", "mismatch"])
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ckpt")
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--stall-at", type=int)
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--case", choices=MISMATCH_CASES)
     args = parser.parse_args()
     out = Path(args.out)
     rank = int(os.environ.get("RANK", "0"))
@@ -222,6 +289,9 @@ def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
             _save(out / f"worker{rank}.npz", program(strategy, args.steps))
         elif args.mode == "train":
             _train(strategy, args, out, rank)
+        elif args.mode == "mismatch":
+            mismatch(strategy, args.case, rank)
+            (out / f"done{rank}").write_text(f"{time.time()}")
         else:
             strategy.run(lambda: _ctx().all_reduce(pd.ReduceOp.SUM, np.float32(1)))
     except Exception as e:

@@ -1,16 +1,30 @@
 """The shared multi-worker program (``polydist_conformance.multiprocess``) as a JAX worker.
 
-``python mw_program.py OUT MODE [OPTIONS]``; see that module for the modes.
+``python mw_program.py OUT MODE [OPTIONS]``; see that module for the modes. One more
+mode is JAX's own: ``compiled`` (`compiled_program`) writes ``OUT/compiled<i>.npz``
+with the backend's compile and eager-fallback counts. ``$MW_PROGRAM_JIT=0`` runs
+every mode eagerly (``MultiWorkerMirroredStrategy(jit=False)``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 import polydist as pd
 from polydist_conformance.multiprocess import D, load, main, program
 
-__all__ = ["D", "load", "program"]
+__all__ = ["D", "STEPS", "compiled_program", "load", "program"]
+
+STEPS = 4
+VS, VA = pd.VariableSynchronization, pd.VariableAggregation
 
 
 def jax_strategy(args: argparse.Namespace) -> pd.Strategy:
@@ -20,8 +34,105 @@ def jax_strategy(args: argparse.Namespace) -> pd.Strategy:
     import polydist_jax._multi_worker as mw
 
     options = pd.experimental.CommunicationOptions(timeout_seconds=args.timeout)
-    return mw.MultiWorkerMirroredStrategy(communication_options=options, local_devices=D)
+    jit = os.environ.get("MW_PROGRAM_JIT", "1") != "0"
+    return mw.MultiWorkerMirroredStrategy(communication_options=options, local_devices=D, jit=jit)
+
+
+def _ctx() -> pd.ReplicaContext:
+    ctx = pd.get_replica_context()
+    assert ctx is not None
+    return ctx
+
+
+def _local(strategy: pd.Strategy, value: Any) -> list[np.ndarray]:
+    """The components this process holds (every worker's on the sim)."""
+    backend = strategy.extended.backend
+    values = value.values if isinstance(value, pd.DistributedValues) else (value,)
+    return [np.asarray(backend.to_numpy(v)) for v in values]
+
+
+def _one(strategy: pd.Strategy, value: Any) -> np.ndarray:
+    return np.asarray(strategy.extended.backend.to_numpy(value))
+
+
+def compiled_program(strategy: pd.Strategy, steps: int = STEPS) -> dict[str, list[np.ndarray]]:
+    """One step function run ``steps`` times: collectives, a merge_call and variables
+    (mirrored, sync-on-read) on integer-valued float32 data, whose sums are exact in any
+    order (gloo's across processes too). Per-replica results list this process's
+    replicas (the sim's: every worker's)."""
+    with strategy.scope():
+        w = pd.Variable(np.zeros(3, np.float32), name="w", aggregation=VA.SUM)
+        seen = pd.Variable(
+            np.float32(0), name="seen", synchronization=VS.ON_READ, aggregation=VA.SUM
+        )
+
+    def step(x: Any, scale: float) -> Any:
+        ctx = _ctx()
+        total = ctx.all_reduce(pd.ReduceOp.SUM, x * scale)
+        mean = ctx.all_reduce(pd.ReduceOp.MEAN, x)
+        gathered = ctx.all_gather(x, axis=0)
+        merged = ctx.merge_call(lambda s, v: s.reduce(pd.ReduceOp.SUM, v, axis=None), args=(x,))
+        w.assign_add(x)  # SUM-aggregated: every copy adds the sum of all replicas' x
+        seen.assign_add(x.sum())  # this replica's own copy
+        return ctx.replica_id_in_sync_group, total, mean, gathered, merged, w.read_value()
+
+    out: dict[str, list[np.ndarray]] = {}
+    names = ("replica_id", "total", "mean", "gathered", "merged", "w_in_replica")
+    for s in range(steps):
+        x = strategy.experimental_distribute_values_from_function(
+            lambda c, s=s: np.arange(3, dtype=np.float32) + 10 * c.replica_id_in_sync_group + s
+        )
+        results = strategy.run(step, args=(x, 2.0))
+        for name, value in zip(names, results, strict=True):
+            out[f"{name}_{s}"] = _local(strategy, value)
+        out[f"w_{s}"] = [_one(strategy, w.read_value())]
+        out[f"seen_{s}"] = [_one(strategy, seen.read_value())]
+    made: list[Any] = []
+
+    def extras(x: Any) -> Any:
+        made.append(pd.Variable(np.full(3, 5.0, np.float32), name="made"))  # created in run
+        # merge_fn reduces a host value: one copy per worker.
+        host = _ctx().merge_call(lambda s: s.reduce(pd.ReduceOp.SUM, np.float32(1.5), axis=None))
+        return host, x + made[-1].read_value()
+
+    host, plus = strategy.run(extras, args=(x,))
+    out["host_in_merge_call"] = _local(strategy, host)
+    out["plus_made"] = _local(strategy, plus)
+    out["made"] = [_one(strategy, made[-1].read_value())]
+    # Worker 0's replicas hold 2 elements, worker 1's 3: even on each worker, not across.
+    uneven = strategy.experimental_distribute_values_from_function(
+        lambda c: np.arange(2 + c.replica_id_in_sync_group // D, dtype=np.float32)
+    )
+    gathered = strategy.run(lambda v: _ctx().all_gather(v, axis=0), args=(uneven,))
+    out["uneven_gather"] = _local(strategy, gathered)
+    return out
+
+
+def _compiled_main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("mode", choices=["compiled"])
+    parser.add_argument("--timeout", type=float, default=20.0)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
+    out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
+    try:
+        strategy = jax_strategy(args)
+        results = compiled_program(strategy, args.steps)
+        backend: Any = strategy.extended.backend
+        results["compile_count"] = [np.asarray(backend.compile_count)]
+        results["eager_fallback_count"] = [np.asarray(backend.eager_fallback_count)]
+        arrays = {f"{k}#{i}": v for k, vs in results.items() for i, v in enumerate(vs)}
+        np.savez(out / f"compiled{rank}.npz", **arrays)  # type: ignore[arg-type]
+    except Exception as e:
+        message = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+        (out / f"error{rank}.json").write_text(json.dumps(message))
+        sys.stdout.flush()
+        os._exit(17)
 
 
 if __name__ == "__main__":
-    main(jax_strategy)
+    if sys.argv[2:3] == ["compiled"]:
+        _compiled_main()
+    else:
+        main(jax_strategy)

@@ -37,7 +37,8 @@ def test_capabilities_on_cpu() -> None:
     assert caps.reduction_orders == ("sequential",)
     assert caps.autodiff
     assert not caps.float64  # JAX's default: x64 off
-    assert not caps.tpu
+    assert caps.tpu  # TPUStrategy: the CPU devices stand in for TPU cores (test_tpu.py)
+    assert not caps.has("simulated_clusters")
     assert JaxBackend(jit=False).capabilities.execution_model == "eager"
 
 

@@ -23,6 +23,7 @@ import pytest
 import polydist as pd
 from polydist import _launch
 from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver
+from polydist_conformance import multiprocess
 from polydist_conformance.tolerance import Reduction, within_bound
 from polydist_jax._multi_worker import WATCHDOG_EXIT_CODE
 from polydist_sim import SimBackend
@@ -38,24 +39,27 @@ WORKERS = 2
 D = mw_program.D
 
 
-def _env() -> dict[str, str]:
+def _env(jit: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     # The workers set their own device count (jax_num_cpu_devices), not the tests' 8.
     for key in ("TF_CONFIG", "XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "POLYDIST_PROCESS_ID"):
         env.pop(key, None)
+    env["MW_PROGRAM_JIT"] = "1" if jit else "0"
     return env
 
 
-def _launch_workers(out: Path, *args: str, timeout: float = 60) -> _launch.LaunchResult:
+def _launch_workers(
+    out: Path, *args: str, timeout: float = 60, jit: bool = True
+) -> _launch.LaunchResult:
     log = io.StringIO()
     result = _launch.launch(
-        WORKERS, PROGRAM, [str(out), *args], timeout=timeout, stdout=log, stderr=log, env=_env()
+        WORKERS, PROGRAM, [str(out), *args], timeout=timeout, stdout=log, stderr=log, env=_env(jit)
     )
     result.message += "\n" + log.getvalue()[-4000:]
     return result
 
 
-def _start(out: Path, *args: str) -> list[subprocess.Popen[bytes]]:
+def _start(out: Path, *args: str, jit: bool = True) -> list[subprocess.Popen[bytes]]:
     """The workers as plain processes (no launcher to stop the others when one fails);
     worker i's stderr goes to ``out/stderr<i>``."""
     ports = _launch.free_ports(WORKERS)
@@ -65,7 +69,7 @@ def _start(out: Path, *args: str) -> list[subprocess.Popen[bytes]]:
             procs.append(
                 subprocess.Popen(
                     [sys.executable, PROGRAM, str(out), *args],
-                    env=_launch.worker_environment(i, ports, base=_env()),
+                    env=_launch.worker_environment(i, ports, base=_env(jit)),
                     stdout=subprocess.DEVNULL,
                     stderr=err,
                 )
@@ -99,8 +103,7 @@ def _wait_progress(out: Path, rank: int, step: int, timeout: float = 30) -> None
 # --------------------------------------------------------------------------- the sim's answer
 
 
-@pytest.fixture(scope="module")
-def sim_results() -> dict[str, list[np.ndarray]]:
+def _sim_strategy() -> pd.Strategy:
     resolver = SimpleClusterResolver(
         ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}),
         task_type="worker",
@@ -109,7 +112,12 @@ def sim_results() -> dict[str, list[np.ndarray]]:
     )
     strategy = pd.MultiWorkerMirroredStrategy(resolver, backend=SimBackend(num_gpus=D))
     assert strategy.num_replicas_in_sync == WORKERS * D
-    return mw_program.program(strategy)
+    return strategy
+
+
+@pytest.fixture(scope="module")
+def sim_results() -> dict[str, list[np.ndarray]]:
+    return mw_program.program(_sim_strategy())
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +152,7 @@ def _check_sum(
 
 
 EXACT_PER_REPLICA = ("replica_id", "local_values", "all_reduce_int", "all_gather")
-EXACT_CROSS_REPLICA = ("reduce_int_mean", "reduce_axis_mean", "gather", "host_sum")
+EXACT_CROSS_REPLICA = ("reduce_int_mean", "reduce_axis_mean", "gather", "host_sum", "bool_refused")
 
 
 @pytest.mark.parametrize("key", EXACT_PER_REPLICA)
@@ -173,6 +181,7 @@ def test_cross_replica_results_equal_the_sim_exactly(
 def test_replica_ids_and_input_pipelines(jax_results: list[dict[str, list[np.ndarray]]]) -> None:
     assert [int(x) for x in _as_global(jax_results, "replica_id")] == [0, 1, 2, 3]
     assert float(_same_everywhere(jax_results, "host_sum")) == 1.5 * WORKERS
+    assert _same_everywhere(jax_results, "bool_refused").tolist() == [True, True, True]
     pipelines = _same_everywhere(jax_results, "input_pipelines")
     assert {tuple(p) for p in pipelines.tolist()} == {(WORKERS, 0), (WORKERS, 1)}
 
@@ -224,6 +233,57 @@ def test_sgd_matches_the_sim(
     # The first step's gradients do not depend on earlier rounding: within the bound.
     for got, want in zip(_as_global(jax_results, "sgd_total_0"), sim_results["sgd_total_0"]):
         _check_sum(got, want, _as_global(jax_results, "sgd_local_0"), mean=False)
+
+
+# --------------------------------------------------------------------------- compiled steps
+
+Results = list[dict[str, list[np.ndarray]]]
+
+
+@pytest.fixture(scope="module")
+def sim_compiled() -> dict[str, list[np.ndarray]]:
+    return mw_program.compiled_program(_sim_strategy())
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["compiled", "eager"])
+def jax_compiled(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[bool, Results]:
+    jit = bool(request.param)
+    out = tmp_path_factory.mktemp("compiled")
+    result = _launch_workers(out, "compiled", jit=jit, timeout=120)
+    assert result.exit_code == 0, result.message
+    return jit, [mw_program.load(out / f"compiled{w}.npz") for w in range(WORKERS)]
+
+
+def test_steps_with_variables_equal_the_sim_exactly(
+    jax_compiled: tuple[bool, Results], sim_compiled: dict[str, list[np.ndarray]]
+) -> None:
+    _, per_worker = jax_compiled
+    assert len(sim_compiled) == 8 * mw_program.STEPS + 4
+    for key, want in sim_compiled.items():
+        if len(want) == 1:  # a cross-replica result, or one object for every replica
+            assert all(len(r[key]) == 1 for r in per_worker), key
+            got = [_same_everywhere(per_worker, key)]
+        else:
+            got = _as_global(per_worker, key)
+        assert len(got) == len(want), key
+        for r, (a, b) in enumerate(zip(got, want)):
+            assert a.dtype == b.dtype and np.array_equal(a, b), f"{key}, replica {r}: {a} != {b}"
+
+
+def test_a_step_compiles_once_and_workers_with_other_shapes_fall_back_together(
+    jax_compiled: tuple[bool, Results],
+) -> None:
+    jit, per_worker = jax_compiled
+    for r in per_worker:
+        # mw_program.STEPS runs of one step function: one trace on each worker, and one
+        # of the function that creates a variable. The gather whose shapes are even on
+        # each worker but differ between them ran eagerly on both (its result equals
+        # the sim's above).
+        assert int(r["compile_count"][0]) == (2 if jit else 0)
+        assert int(r["eager_fallback_count"][0]) == (1 if jit else 0)
+    assert [int(x) for x in _as_global(per_worker, "replica_id_0")] == [0, 1, 2, 3]
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -319,19 +379,74 @@ def test_a_worker_that_never_arrives_ends_the_others_within_the_bound(tmp_path: 
     assert not (out / "joined0").exists()
 
 
-def test_a_stalled_collective_is_named_and_ends_the_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("jit", [True, False], ids=["compiled", "eager"])
+def test_a_stalled_collective_is_named_and_ends_the_process(tmp_path: Path, jit: bool) -> None:
     out = tmp_path
-    procs = _start(out, "train", "--steps", "6", "--stall-at", "2", "--timeout", "3")
+    procs = _start(out, "train", "--steps", "6", "--stall-at", "2", "--timeout", "3", jit=jit)
     try:
         code = procs[0].wait(timeout=60)
     finally:
         _stop(procs)
     assert code == WATCHDOG_EXIT_CODE, _stderr(out, 0)[-3000:]
     err = _stderr(out, 0)
-    assert "polydist: DeadlineExceededError: all_reduce (collective #" in err
+    # A compiled step is one program (its collectives inside); eagerly, the all_reduce.
+    what = "strategy.run" if jit else "all_reduce"
+    assert f"polydist: DeadlineExceededError: {what} (collective #" in err
     assert "did not complete within 3 s" in err
     assert "worker(s) 1 (/job:worker/replica:0/task:1 at 127.0.0.1:" in err
     assert "alive but did not reach it" in err
+
+
+# --------------------------------------------------------------------------- disagreements
+
+# Far beyond how long the test waits for the workers: only the check can end them in time.
+MISMATCH_TIMEOUT = "300"
+
+
+_line = multiprocess.mismatch_site
+
+
+# case -> what each worker reached, as the message names it
+MISMATCHES = {
+    "op": (
+        f"all_reduce(SUM) of float32[3] at {_line('op (worker 0)')} in sums",
+        f"all_gather(axis=0) of float32[*] at {_line('op (worker 1)')} in gathers",
+    ),
+    "shape": (
+        f"all_reduce(SUM) of float32[3] at {_line('shape')} in sums_ones",
+        f"all_reduce(SUM) of float32[4] at {_line('shape')} in sums_ones",
+    ),
+    "extra": (
+        f"all_reduce(SUM) of float32[3] at {_line('extra (worker 0)')} in mismatch",
+        f"all_gather(axis=0) of float32[*] at {_line('extra (worker 1)')} in mismatch",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "jit"),
+    [("op", True), ("op", False), ("shape", True), ("extra", True)],
+    ids=["op-compiled", "op-eager", "shape-compiled", "extra-compiled"],
+)
+def test_workers_that_disagree_on_a_collective_raise_collective_mismatch(
+    tmp_path: Path, case: str, jit: bool
+) -> None:
+    """A compiled step whose programs differ runs eagerly (see above), where each
+    collective is checked; so the message names the collectives inside the step."""
+    procs = _start(tmp_path, "mismatch", "--case", case, "--timeout", MISMATCH_TIMEOUT, jit=jit)
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        _stop(procs)
+    assert codes == [17, 17], _stderr(tmp_path, 0)[-3000:]
+    for rank in range(WORKERS):
+        error = _error(tmp_path, rank)
+        assert error["type"] == "CollectiveMismatchError", error
+        message = error["message"]
+        assert message.startswith("Workers disagree on their collective #"), message
+        for w, reached in enumerate(MISMATCHES[case]):
+            assert f"\n  worker {w} (/job:worker/replica:0/task:{w} at 127.0.0.1:" in message
+            assert f"): {reached}\n" in message, message
 
 
 # --------------------------------------------------------------------------- in-process

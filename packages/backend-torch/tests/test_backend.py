@@ -170,9 +170,14 @@ def test_collectives_return_distinct_new_tensors() -> None:
 
 
 def test_bool_sum_is_refused_like_the_sim() -> None:
-    backend = TorchBackend()
-    with pytest.raises(TypeError, match="Cannot SUM bool values"):
-        backend.all_reduce([torch.ones(1, dtype=torch.bool)] * 2, [CPU.format(0)] * 2)
+    # Core refuses before the collective (torch itself would OR the flags).
+    strategy = pd.MirroredStrategy(2, backend=TorchBackend())
+    flags = pd.PerReplica([torch.tensor([True, False]), torch.tensor([True, True])])
+    for op in ("SUM", "MEAN"):
+        with pytest.raises(TypeError, match="cannot SUM bool replica values"):
+            strategy.reduce(op, flags, axis=None)
+    with pytest.raises(TypeError, match="cannot SUM bool replica values"):
+        strategy.run(lambda: pd.get_replica_context().all_reduce("SUM", torch.tensor([True])))
 
 
 def test_collectives_take_tensors() -> None:

@@ -26,6 +26,7 @@ import pytest
 import polydist as pd
 from polydist import _launch
 from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver
+from polydist_conformance import multiprocess
 from polydist_conformance.tolerance import Reduction, within_bound
 from polydist_sim import SimBackend
 
@@ -142,7 +143,7 @@ def _check_sum(
 
 
 EXACT_PER_REPLICA = ("replica_id", "local_values", "all_reduce_int", "all_gather")
-EXACT_CROSS_REPLICA = ("reduce_int_mean", "reduce_axis_mean", "gather", "host_sum")
+EXACT_CROSS_REPLICA = ("reduce_int_mean", "reduce_axis_mean", "gather", "host_sum", "bool_refused")
 
 
 @pytest.mark.parametrize("key", EXACT_PER_REPLICA)
@@ -171,6 +172,7 @@ def test_cross_replica_results_equal_the_sim_exactly(
 def test_replica_ids_and_input_pipelines(torch_results: list[dict[str, list[np.ndarray]]]) -> None:
     assert [int(x) for x in _as_global(torch_results, "replica_id")] == [0, 1, 2, 3]
     assert float(_same_everywhere(torch_results, "host_sum")) == 1.5 * WORKERS
+    assert _same_everywhere(torch_results, "bool_refused").tolist() == [True, True, True]
     pipelines = _same_everywhere(torch_results, "input_pipelines")
     assert {tuple(p) for p in pipelines.tolist()} == {(WORKERS, 0), (WORKERS, 1)}
 
@@ -337,6 +339,72 @@ def test_worker_0_unreachable(tmp_path: Path) -> None:
     assert error["type"] == "DeadlineExceededError", error
     assert f"could not reach the cluster's rendezvous at 127.0.0.1:{port0}" in error["message"]
     assert "hosted by 0 (/job:worker/replica:0/task:0" in error["message"]
+
+
+# --------------------------------------------------------------------------- disagreements
+
+# Far beyond how long the test waits for the workers: only the check can end them in time.
+MISMATCH_TIMEOUT = "300"
+
+
+_line = multiprocess.mismatch_site
+
+
+# case -> what each worker reached, as the message names it
+MISMATCHES = {
+    "op": (
+        f"all_reduce(SUM) of float32[3] at {_line('op (worker 0)')} in sums",
+        f"all_gather(axis=0) of float32[*] at {_line('op (worker 1)')} in gathers",
+    ),
+    "shape": (
+        f"all_reduce(SUM) of float32[3] at {_line('shape')} in sums_ones",
+        f"all_reduce(SUM) of float32[4] at {_line('shape')} in sums_ones",
+    ),
+    "reduce_op": (
+        f"all_reduce(SUM) of float32[3] at {_line('reduce_op')} in mismatch",
+        f"all_reduce(MEAN) of float32[3] at {_line('reduce_op')} in mismatch",
+    ),
+    "extra": (
+        f"all_reduce(SUM) of float32[3] at {_line('extra (worker 0)')} in mismatch",
+        f"all_gather(axis=0) of float32[*] at {_line('extra (worker 1)')} in mismatch",
+    ),
+}
+
+
+def _mismatch_workers(out: Path, case: str) -> list[int | None]:
+    procs = _start(out, "mismatch", "--case", case, "--timeout", MISMATCH_TIMEOUT)
+    try:
+        return [p.wait(timeout=120) for p in procs]
+    finally:
+        _stop(procs)
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_workers_that_disagree_on_a_collective_raise_collective_mismatch(
+    out: Path, case: str
+) -> None:
+    assert _mismatch_workers(out, case) == [17, 17]
+    for rank in range(WORKERS):
+        error = _error(out, rank)
+        assert error["type"] == "CollectiveMismatchError", error
+        message = error["message"]
+        assert message.startswith("Workers disagree on their collective #2;"), message
+        for w, reached in enumerate(MISMATCHES[case]):
+            assert f"\n  worker {w} (/job:worker/replica:0/task:{w} at 127.0.0.1:" in message
+            assert f"): {reached}\n" in message, message
+
+
+def test_a_worker_that_ended_is_named_by_the_one_still_calling(out: Path) -> None:
+    assert _mismatch_workers(out, "early_exit") == [17, 0]
+    assert (out / "done1").exists() and not (out / "done0").exists()
+    error = _error(out, 0)
+    assert error["type"] == "CollectiveMismatchError", error
+    message = error["message"]
+    reached = f"all_reduce(SUM) of float32[3] at {_line('early_exit (worker 0)')} in mismatch"
+    assert "  worker 0 (/job:worker/replica:0/task:0 at 127.0.0.1:" in message
+    assert f"): {reached}\n" in message, message
+    assert "  worker 1 (/job:worker/replica:0/task:1 at 127.0.0.1:" in message
+    assert "): left the cluster after 1 collective(s) (its program ended" in message, message
 
 
 # --------------------------------------------------------------------------- torchrun

@@ -807,7 +807,7 @@ def _train_a_little(s: pd.Strategy, mode: str) -> dict[str, Any]:
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_checkpoint_round_trip(tmp_path: Path, mode: str) -> None:
     sim = strategy_for("sim")
-    _train_a_little(sim, "sim")
+    _sim_variables = _train_a_little(sim, "sim")  # the strategy saves the live variables
     pd.checkpoint.save(tmp_path / "sim", sim, step=2)
 
     s = strategy_for(mode)
@@ -850,3 +850,18 @@ def test_checkpoint_round_trip(tmp_path: Path, mode: str) -> None:
             # Restored in place: the parameters are still the variables' storage.
             assert params[1][0] is fresh["dense/kernel"].values[1]._read_storage()
             assert params[1][0].tolist() == made["dense/kernel"].numpy().tolist()
+
+
+@pytest.mark.parametrize("sync", [SYNC.ON_WRITE, SYNC.ON_READ])
+def test_every_copy_keeps_a_dtype_numpy_lacks(sync: pd.VariableSynchronization) -> None:
+    # Copies 1.. are made through NumPy, which has no bfloat16.
+    strategy = pd.MirroredStrategy(N, backend=TorchBackend("sequential"))
+    with strategy.scope():
+        v = pd.Variable(
+            torch.tensor([1.5, 2.0], dtype=torch.bfloat16),
+            synchronization=sync,
+            aggregation=AGG.SUM if sync is SYNC.ON_READ else AGG.NONE,
+        )
+    copies = strategy.experimental_local_results(v)
+    assert [c.dtype for c in copies] == [torch.bfloat16] * N
+    assert [c.read_value().tolist() for c in copies] == [[1.5, 2.0]] * N

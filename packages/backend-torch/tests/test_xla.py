@@ -243,3 +243,134 @@ def test_variables_in_cross_replica_context_match_the_sim(backend: XlaSpmdBacken
         )
     assert_same_bits(results[0], results[1])
     assert results[1][-1].tolist() == [8.0, 8.0, 8.0]
+
+
+# -- TPUStrategy: the 4 XLA:CPU devices stand in for TPU cores ------------------------------
+
+TPU = "/job:localhost/replica:0/task:0/device:TPU:{}"
+
+
+def tpu_pair(
+    backend: XlaSpmdBackend, order: list[int] | None = None
+) -> tuple[pd.TPUStrategy, pd.TPUStrategy]:
+    """(torch-xla, the sim's v4-8: 4 cores, XLA:CPU's summation order)."""
+    from polydist.cluster_resolver import TPUClusterResolver
+    from polydist.tpu import DeviceAssignment
+
+    resolver = TPUClusterResolver("local", backend=backend)
+    da = None
+    if order is not None:
+        topology = resolver.get_tpu_system_metadata().topology
+        assert topology is not None
+        da = DeviceAssignment(topology, [[[k, 0, 0, 0]] for k in order])
+    return (
+        pd.TPUStrategy(resolver, experimental_device_assignment=da, backend=backend),
+        pd.TPUStrategy(TPUClusterResolver("v4-8"), backend=SimBackend("sequential")),
+    )
+
+
+def test_tpu_cores_are_the_xla_devices(backend: XlaSpmdBackend) -> None:
+    from polydist.cluster_resolver import TPUClusterResolver
+    from polydist.tpu import LocalTPUSystem
+
+    assert backend.capabilities.tpu
+    assert backend.local_tpu_system() == LocalTPUSystem(
+        mesh_shape=(N, 1, 1, 1),
+        device_coordinates=tuple((k, 0, 0, 0) for k in range(N)),
+        stand_ins=backend.list_devices(),
+    )
+    resolver = TPUClusterResolver("local", backend=backend)
+    metadata = resolver.get_tpu_system_metadata()
+    assert (metadata.num_cores, metadata.num_hosts) == (N, 1)
+    assert resolver.num_accelerators() == {"TPU": N}
+    strategy = pd.TPUStrategy(resolver, backend=backend)
+    assert strategy.extended.worker_devices == tuple(TPU.format(k) for k in range(N))
+    assert strategy.extended.experimental_require_static_shapes
+
+
+def test_tpu_strategy_matches_the_sim_bitwise(backend: XlaSpmdBackend) -> None:
+    rng = np.random.default_rng(11)
+    data = [wide(rng, (3, 5)) for _ in range(N)]
+    results = []
+    for s in tpu_pair(backend):
+        x = per_replica(s, data)
+
+        def step(v: Any) -> Any:
+            c = ctx()
+            return (
+                type(c).__name__,
+                c.all_reduce("SUM", v),
+                c.all_gather(v, 0),
+                c.replica_id_in_sync_group,
+            )
+
+        kind, total, gathered, ids = s.run(step, args=(x,))
+        assert kind == "TPUReplicaContext"
+        results.append(
+            [
+                *local(s, total),
+                *local(s, gathered),
+                *local(s, ids),
+                s.extended.backend.to_numpy(s.reduce("MEAN", x, axis=None)),
+                s.extended.backend.to_numpy(s.gather(x, 0)),
+            ]
+        )
+    assert_same_bits(results[0], results[1])
+    assert [int(i) for i in results[0][2 * N : 3 * N]] == list(range(N))
+
+
+def test_device_assignment_orders_the_spmd_mesh(backend: XlaSpmdBackend) -> None:
+    import torch_xla
+
+    order = [3, 1, 0, 2]
+    xla, sim = tpu_pair(backend, order)
+    assert xla.extended.worker_devices == tuple(TPU.format(k) for k in order)
+    rng = np.random.default_rng(12)
+    data = [wide(rng, (64,)) for _ in range(N)]
+    out = xla.run(lambda v: (v * 2, ctx().all_reduce("SUM", v)), args=(per_replica(xla, data),))
+    # Replica r's shard is on XLA device order[r]: the mesh's device ids, in replica order.
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([xla.experimental_local_results(out[0])[0]])
+    assert "devices=[4,1]3,1,0,2" in hlo
+    # The all-reduce adds in replica order (its group lists the devices that way), as the
+    # sim does; device order 0, 1, 2, 3 would round differently for these values.
+    want = sim.run(lambda v: ctx().all_reduce("SUM", v), args=(per_replica(sim, data),))
+    assert_same_bits(local(xla, out[1]), local(sim, want))
+
+
+def test_tpu_gather_needs_the_same_shape(backend: XlaSpmdBackend) -> None:
+    from polydist.errors import InvalidArgumentError
+
+    s = tpu_pair(backend)[0]
+    uneven = per_replica(s, [np.ones((r + 1,), np.float32) for r in range(N)])
+    with pytest.raises(InvalidArgumentError, match="same shape on every replica"):
+        s.gather(uneven, axis=0)
+
+
+def test_tpu_variables_in_cross_replica_context(backend: XlaSpmdBackend) -> None:
+    results = []
+    for s in tpu_pair(backend):
+        with s.scope():
+            v = pd.Variable(np.arange(3, dtype=np.float32), aggregation=pd.VariableAggregation.MEAN)
+        assert [c.device for c in v.values] == list(s.extended.worker_devices)
+        v.assign_add(np.full(3, 0.5, np.float32))
+        results.append([s.extended.backend.to_numpy(c.value()) for c in v.values])
+    assert_same_bits(results[0], results[1])
+    assert results[0][0].tolist() == [0.5, 1.5, 2.5]
+
+
+def test_tpu_model_parallelism_is_refused_with_the_reason(backend: XlaSpmdBackend) -> None:
+    from polydist.cluster_resolver import TPUClusterResolver
+    from polydist.tpu import DeviceAssignment
+
+    resolver = TPUClusterResolver("local", backend=backend)
+    topology = resolver.get_tpu_system_metadata().topology
+    assert topology is not None
+    da = DeviceAssignment.build(topology, computation_shape=[2, 1, 1, 1], num_replicas=2)
+    assert "tpu_model_parallelism" in XLA_UNSUPPORTED
+    with pytest.raises(ValueError, match="needs one replica on every XLA device"):
+        pd.TPUStrategy(resolver, experimental_device_assignment=da, backend=backend)
+    one = DeviceAssignment(topology, [[[2, 0, 0, 0]]])
+    s = pd.TPUStrategy(resolver, experimental_device_assignment=one, backend=backend)
+    out = s.run(lambda: ctx().all_reduce("SUM", torch.ones(2)))
+    assert s.extended.worker_devices == (TPU.format(2),)
+    assert out.cpu().tolist() == [1.0, 1.0]

@@ -175,7 +175,7 @@ class TestRoundTrip:
 class TestErrors:
     def test_missing_shape_and_dtype_mismatch_name_each_variable(self, tmp_path: Path) -> None:
         strategy = pd.MirroredStrategy(2)
-        trained(strategy)
+        _model = trained(strategy)  # the strategy saves the variables that are still alive
         checkpoint.save(tmp_path, strategy)
         other = pd.MirroredStrategy(2)
         with other.scope():
@@ -245,7 +245,7 @@ class TestErrors:
 
     def test_only_the_chief_writes(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         strategy = pd.MirroredStrategy(2)
-        trained(strategy)
+        _model = trained(strategy)  # the strategy saves the variables that are still alive
         monkeypatch.setattr(strategy.extended, "_is_chief", False, raising=False)
         assert strategy.extended.should_checkpoint is False
         assert checkpoint.save(tmp_path, strategy) is None

@@ -337,6 +337,61 @@ def test_no_further_transformations() -> None:
         dist.map(lambda x: x)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         dist.nope  # noqa: B018
+    assert dist.cardinality == 2  # a property (TF), not Dataset.cardinality()
+
+
+# ------------------------------------------------------------- cardinality
+
+
+@pytest.mark.parametrize(
+    ("dataset", "cardinality", "step_count"),
+    [
+        # A short last batch is still a step: [0,1] [2,3] [] . [4,5] [6,7] [] . [8] [9] [].
+        (Dataset.range(10).batch(4), 3, 3),
+        (Dataset.range(10).batch(4, drop_remainder=True), 2, 2),
+        # One batch of 5 over 3 replicas: [0,1] [2,3] [4], one step.
+        (Dataset.range(5).batch(5), 1, 1),
+        (Dataset.range(0).batch(4), 0, 0),
+        # filter: the count is only known by reading (TF's UNKNOWN_CARDINALITY).
+        (Dataset.range(10).filter(lambda x: x % 3 == 0).batch(2), -2, 2),
+    ],
+)
+def test_cardinality_counts_the_global_batches(
+    dataset: Dataset, cardinality: int, step_count: int
+) -> None:
+    dist = distribute(3, data(dataset))
+    assert dist.cardinality == cardinality
+    assert len(steps(dist)) == step_count
+
+
+def test_cardinality_constants() -> None:
+    assert (pd.data.INFINITE_CARDINALITY, pd.data.UNKNOWN_CARDINALITY) == (-1, -2)
+    endless = distribute(2, data(Dataset.range(4).batch(2).repeat()))
+    assert endless.cardinality == pd.data.INFINITE_CARDINALITY
+    assert distribute(2, data(Dataset.range(4).batch(2).repeat(3))).cardinality == 6
+    # Plain Python iterables and generators have no static length.
+    batches = [{"x": np.arange(4)}, {"x": np.arange(4, 8)}]
+    assert distribute(2, batches).cardinality == pd.data.UNKNOWN_CARDINALITY
+    # A single replica does not split, and the default strategy takes the dataset as is.
+    assert distribute(1, data(Dataset.range(7).batch(2))).cardinality == 4
+    default = pd.get_strategy().experimental_distribute_dataset(Dataset.range(7).batch(3))
+    assert default.cardinality == 3
+
+
+def test_cardinality_from_function_is_the_pipelines() -> None:
+    # TF: the cardinality of the (first) dataset dataset_fn returned, i.e. its
+    # per-replica batches; 3 replicas take its 5 batches round-robin in 2 steps.
+    strategy = pd.MirroredStrategy(3)
+    dist = strategy.distribute_datasets_from_function(lambda _: Dataset.range(10).batch(2))
+    assert dist.cardinality == 5
+    assert steps(dist) == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], []]]
+    per_replica = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)
+    each = strategy.distribute_datasets_from_function(
+        lambda ctx: Dataset.range(ctx.input_pipeline_id * 2 + 2).batch(2), per_replica
+    )
+    assert each.cardinality == 1  # replica 0's pipeline: range(2).batch(2)
+    endless = strategy.distribute_datasets_from_function(lambda _: Dataset.range(2).repeat())
+    assert endless.cardinality == pd.data.INFINITE_CARDINALITY
 
 
 def test_reduce_over_the_distributed_dataset() -> None:
@@ -767,6 +822,32 @@ def test_mwms_from_function_last_partial_batch_and_contexts() -> None:
     per_replica = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)
     with pytest.raises(NotImplementedError, match="single-worker"):
         mwms(2).distribute_datasets_from_function(dataset_fn, per_replica)
+
+
+def test_mwms_cardinality() -> None:
+    # DATA sharding: each step is every worker's slices of one global batch.
+    dist = mwms(2, 2).experimental_distribute_dataset(data(Dataset.range(14).batch(8)))
+    assert dist.cardinality == 2 and len(steps(dist)) == 2
+    chief = one_worker_of(2, 0).experimental_distribute_dataset(data(Dataset.range(14).batch(8)))
+    assert chief.cardinality == 2 and len(steps(chief)) == 2
+    # OFF: each worker reads everything (4 steps of 4), the input still has 2 batches (TF).
+    whole = with_policy(Dataset.range(14).batch(8), AutoShardPolicy.OFF)
+    off = mwms(2).experimental_distribute_dataset(whole)
+    assert off.cardinality == 2
+    assert steps(off) == [
+        [[0, 1, 2, 3], [0, 1, 2, 3]],
+        [[4, 5, 6, 7], [4, 5, 6, 7]],
+        [[8, 9, 10, 11], [8, 9, 10, 11]],
+        [[12, 13], [12, 13]],
+    ]
+
+    def dataset_fn(context: InputContext) -> Dataset:
+        # Worker 0 gets 3 batches of 2, worker 1 gets 2.
+        shard = Dataset.range(9).shard(context.num_input_pipelines, context.input_pipeline_id)
+        return shard.batch(2)
+
+    assert mwms(2, task_id=0).distribute_datasets_from_function(dataset_fn).cardinality == 3
+    assert mwms(2, task_id=1).distribute_datasets_from_function(dataset_fn).cardinality == 2
 
 
 def test_mwms_element_spec_is_dynamic_even_with_drop_remainder() -> None:

@@ -233,6 +233,15 @@ def test_host_tensor_reduce_sums_once_per_worker(tf_config: SetConfig, gpus: int
     np.testing.assert_array_equal(np.stack(out), [[2, 2], [2, 2]])
 
 
+def test_host_bool_is_not_summed_across_workers(tf_config: SetConfig) -> None:
+    tf_config(TWO_WORKERS, "worker", 0)
+    strategy = pd.MultiWorkerMirroredStrategy(backend=sim())
+    for op in ("SUM", "MEAN"):
+        message = rf"cannot SUM bool .*: got bool\[\] for ReduceOp\.{op}"
+        with pytest.raises(TypeError, match=message):
+            strategy.reduce(op, np.bool_(True), axis=None)
+
+
 def test_batch_reduce_per_replica_two_workers(tf_config: SetConfig) -> None:
     # cross_device_ops_test: each of 2 workers (1 device) holds ones -> [[2, 2], [2, 2]].
     tf_config(TWO_WORKERS, "worker", 1)

@@ -9,6 +9,7 @@ import pytest
 
 import polydist as pd
 from polydist.errors import InvalidArgumentError
+from polydist_sim import SimBackend
 
 
 def rid() -> int:
@@ -383,3 +384,85 @@ def test_mean_with_axis_over_all_empty_batches_is_nan_like_tf() -> None:
     strategy = pd.MirroredStrategy(2)
     value = per_replica(np.zeros(0, np.float32), np.zeros(0, np.float32))
     assert np.isnan(strategy.reduce("MEAN", value, axis=0))
+
+
+class _CountingSim(SimBackend):
+    """The sim, counting the calls of its summing collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums = 0
+
+    def all_reduce(self, values: Any, destinations: Any) -> list[Any]:
+        self.sums += 1
+        return super().all_reduce(values, destinations)
+
+    def reduce_to(self, values: Any, destination: str) -> Any:
+        self.sums += 1
+        return super().reduce_to(values, destination)
+
+
+BOOL_MESSAGE = r"cannot SUM bool replica values: got bool\[2\] for ReduceOp\.{op}"
+
+
+class TestBoolIsNotSummable:
+    """TF's add_n refuses bool, and MEAN sums first: core refuses before any backend sums."""
+
+    @pytest.mark.parametrize("op", ["SUM", "MEAN"])
+    def test_strategy_reduce(self, op: str) -> None:
+        backend = _CountingSim()
+        strategy = pd.MirroredStrategy(2, backend=backend)
+        flags = per_replica(np.array([True, False]), np.array([True, True]))
+        with pytest.raises(TypeError, match=BOOL_MESSAGE.format(op=op)):
+            strategy.reduce(op, flags, axis=None)
+        with pytest.raises(TypeError, match=BOOL_MESSAGE.format(op=op)):
+            strategy.extended.reduce_to(op, flags, destinations=flags)
+        with pytest.raises(TypeError, match=BOOL_MESSAGE.format(op=op)):
+            strategy.extended.batch_reduce_to(op, [(flags, "/cpu:0")])
+        assert backend.sums == 0
+        # The fix the message gives: an int32 SUM counts, its MEAN is float64.
+        counts = pd.PerReplica([np.asarray(f).astype("int32") for f in flags.values])
+        np.testing.assert_array_equal(strategy.reduce("SUM", counts, axis=None), [2, 1])
+        mean = strategy.reduce("MEAN", counts, axis=None)
+        assert mean.dtype == np.float64
+        np.testing.assert_array_equal(mean, [1.0, 0.5])
+
+    @pytest.mark.parametrize("replicas", [1, 2])
+    def test_reduce_with_axis(self, replicas: int) -> None:
+        # The local reduce_sum over the axis is a SUM of bools too (TF refuses it).
+        strategy = pd.MirroredStrategy(replicas)
+        flags = pd.PerReplica([np.array([True, False])] * replicas)
+        for op in ("SUM", "MEAN"):
+            with pytest.raises(TypeError, match=BOOL_MESSAGE.format(op=op)):
+                strategy.reduce(op, flags, axis=0)
+
+    @pytest.mark.parametrize("op", ["SUM", "MEAN"])
+    def test_all_reduce_in_replica_context(self, op: str) -> None:
+        backend = _CountingSim()
+        strategy = pd.MirroredStrategy(3, backend=backend)
+
+        def fn() -> Any:
+            ctx = pd.get_replica_context()
+            assert ctx is not None
+            return ctx.all_reduce(op, {"n": 1.0, "flag": np.array([True, False])})
+
+        with pytest.raises(TypeError, match=BOOL_MESSAGE.format(op=op)):
+            strategy.run(fn)
+        assert backend.sums == 0
+
+    def test_cross_device_ops(self) -> None:
+        strategy = pd.MirroredStrategy(2)
+        flags = per_replica(np.array([True, False]), np.array([False, False]))
+        for ops in (pd.NcclAllReduce(), pd.HierarchicalCopyAllReduce(), pd.ReductionToOneDevice()):
+            with strategy.scope():
+                with pytest.raises(TypeError, match=BOOL_MESSAGE.format(op="SUM")):
+                    ops.reduce("SUM", flags, destinations=flags)
+                with pytest.raises(TypeError, match=BOOL_MESSAGE.format(op="MEAN")):
+                    ops.reduce("MEAN", flags, destinations="/cpu:0")
+        with_ops = pd.MirroredStrategy(2, cross_device_ops=pd.NcclAllReduce())
+        with pytest.raises(TypeError, match=BOOL_MESSAGE.format(op="SUM")):
+            with_ops.reduce("SUM", flags, axis=None)
+        # A user's accumulation_fn replaces add_n and decides what it accepts (TF).
+        any_of = pd.ReductionToOneDevice(accumulation_fn=lambda xs: np.logical_or.reduce(xs))
+        with strategy.scope():
+            np.testing.assert_array_equal(any_of.reduce("SUM", flags, "/cpu:0"), [True, False])

@@ -9,6 +9,10 @@ every replica (reference A, "TPU specifics"). Cases that build named slices
 real Cloud TPU slices (``docs/concepts/tpu-and-multi-worker.md``) and need
 ``Capabilities.simulated_clusters`` too: a backend on real TPUs has the one
 slice it is attached to.
+
+A backend on real devices (``local_tpu_system()``: jax, torch_xla) runs the
+default slice on its own TPU cores, or on devices standing in for them; the
+oracle simulates ``$POLYDIST_LOCAL_TPU``, which must then have as many cores.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import numpy as np
 import pytest
 
 import polydist as pd
+from polydist.backend import local_tpu_system
 from polydist.errors import InvalidArgumentError
-from polydist_conformance import Conformance
+from polydist.tpu import SIMULATED_SLICES
+from polydist_conformance import Conformance, ConformanceSession
 from polydist_conformance.cases._helpers import (
     NamedStrategy,
     components,
@@ -34,6 +40,34 @@ from polydist_conformance.cases._helpers import (
 
 pytestmark = pytest.mark.requires("tpu")
 SIMULATED = pytest.mark.requires("simulated_clusters")
+
+
+@pytest.fixture(autouse=True)
+def _oracle_has_the_backends_cores(polydist_session: ConformanceSession) -> None:
+    """The default slice on a backend's own TPU cores is compared with the sim's local
+    slice: both must have the same number of cores."""
+    from polydist.cluster_resolver import LOCAL_TPU_ENV, TPUClusterResolver
+
+    system = local_tpu_system(polydist_session.backend)
+    if system is None:
+        return
+    oracle = TPUClusterResolver("local", backend=polydist_session.oracle)
+    simulated = oracle.slice_spec
+    if simulated.num_cores != system.num_cores:
+        fits = [
+            name
+            for name, spec in SIMULATED_SLICES.items()
+            if spec.num_hosts == 1 and spec.num_cores == system.num_cores
+        ]
+        hint = f" such as {', '.join(fits)}" if fits else " (no simulated slice has that many)"
+        what = "devices standing in for TPU cores" if system.is_stand_in else "TPU cores"
+        pytest.fail(
+            f"backend {polydist_session.backend.name!r} runs TPUStrategy() on "
+            f"{system.num_cores} {what}, but the oracle's local TPU, {LOCAL_TPU_ENV}="
+            f"{simulated.name!r}, has {simulated.num_cores}: set {LOCAL_TPU_ENV} to a "
+            f"single-host slice with {system.num_cores}{hint}.",
+            pytrace=False,
+        )
 
 
 def _tpu_extended(strategy: pd.Strategy) -> Any:

@@ -13,7 +13,7 @@ import numpy as np
 from polydist import _variables
 from polydist._values import select_replica
 from polydist.backend import Capabilities, EagerReplicaRunner
-from polydist_jax import _collectives, _devices, _functional
+from polydist_jax import _collectives, _devices, _functional, _input, _tpu
 from polydist_jax._eager_grad import DifferentiableChannel
 from polydist_jax._lazy import is_tracer
 from polydist_jax._spmd import CompiledRunner, Uneven
@@ -21,6 +21,7 @@ from polydist_jax._typed import x64_enabled
 
 if TYPE_CHECKING:
     from polydist import Strategy, StrategyExtended
+    from polydist.tpu import LocalTPUSystem
 
 __all__ = ["JaxBackend"]
 
@@ -67,7 +68,11 @@ class JaxBackend:
             reduction_orders=("sequential",) if kind == "CPU" else (),
             autodiff=True,
             multi_worker=False,
-            tpu=False,
+            # TPUStrategy on TPUClusterResolver("local"): JAX's TPUs, or where there are
+            # none, its CPU/GPU devices standing in for TPU cores (polydist_jax._tpu).
+            tpu=True,
+            # Only the devices of this process: no simulated slices or clusters.
+            simulated_clusters=False,
             # Replicas may hold differently sized values: such calls run eagerly.
             dynamic_shapes=eager_fallback or not jit,
             float64=x64_enabled(),
@@ -159,6 +164,12 @@ class JaxBackend:
     def validate_devices(self, devices: Sequence[str]) -> None:
         _devices.validate(devices)
 
+    def local_tpu_system(self) -> LocalTPUSystem:
+        """The TPU cores of ``TPUStrategy``: JAX's TPUs (topology from their
+        ``coords``/``core_on_chip``), else its default platform's devices standing in
+        for TPU cores, a chain of one-core chips (``polydist_jax._tpu``)."""
+        return _tpu.local_tpu_system()
+
     def device_scope(self, device: str) -> AbstractContextManager[Any]:
         scope: AbstractContextManager[Any] = jax.default_device(_devices.jax_device(device))
         traced = _functional.active()
@@ -176,6 +187,17 @@ class JaxBackend:
         if is_tracer(value):
             return value
         return _collectives.on_device(value, _devices.jax_device(device))
+
+    def place_per_replica(self, values: Sequence[Any], devices: Sequence[str]) -> list[Any]:
+        """Core's optional input hook: one step's components of a leaf, one per replica.
+
+        Equal shapes become one global array sharded over the compiled run's mesh
+        (one transfer; ``polydist_jax._input``); the components are its per-device
+        arrays, as ``place`` would give them.
+        """
+        # The compiled run's own mesh (eager runs take per-device arrays).
+        mesh_of = self._compiled._mesh if self.jit else None
+        return _input.place_per_replica(self.place, mesh_of, values, devices)
 
     def to_numpy(self, value: Any) -> np.ndarray:
         return np.asarray(value)

@@ -3,7 +3,9 @@
 ``/job:localhost/replica:0/task:0/device:GPU:k`` is the k-th device of
 ``jax.devices("gpu")``; likewise ``CPU:k`` and ``TPU:k``. The index is the
 position in JAX's list for that platform, not ``Device.id`` (which is global
-across processes and platforms).
+across processes and platforms). Where JAX has no TPUs, ``TPU:k`` is the k-th
+device of its default platform, standing in for TPU core k (``TPUStrategy``,
+see ``polydist_jax._tpu``).
 """
 
 from __future__ import annotations
@@ -63,13 +65,22 @@ def jax_device(device: str) -> jax.Device:
     spec = DeviceSpec.parse(device)
     _check_local(device, spec)
     devices = platform_devices(spec.device_type)
+    stand_ins = spec.device_type == "TPU" and not devices
+    if stand_ins:
+        devices = platform_devices(default_kind())
     if not devices:
         raise ValueError(
             f"JAX has no {spec.device_type} devices here, so it cannot place on {device!r}. "
             f"Available: {', '.join(_available()) or 'none'}."
         )
     if spec.device_index >= len(devices):
-        hint = f" {_FORCE_FLAG_HINT}" if spec.device_type == "CPU" else ""
+        kind = default_kind() if stand_ins else spec.device_type
+        hint = f" {_FORCE_FLAG_HINT}" if kind == "CPU" else ""
+        if stand_ins:
+            raise ValueError(
+                f"Device {device!r} is out of range: JAX has no TPUs here, and its "
+                f"{len(devices)} {kind} device(s) stand in for TPU:0..{len(devices) - 1}.{hint}"
+            )
         raise ValueError(
             f"Device {device!r} is out of range: JAX has {len(devices)} {spec.device_type} "
             f"device(s), indices 0..{len(devices) - 1}.{hint}"

@@ -37,6 +37,7 @@ distributed variable's copies are shown in two *views*:
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -55,7 +56,7 @@ from polydist._variables import (
     swap_storage,
     tracked_variables,
 )
-from polydist_jax._lazy import AXIS, LazyPerReplica, is_tracer, is_varying
+from polydist_jax._lazy import AXIS, LazyPerReplica, is_tracer, is_varying, varies_locally, vary
 
 __all__ = [
     "COMPONENT",
@@ -106,7 +107,8 @@ def collect(
             found.append(v)
             seen.add(id(v))
     captured = []
-    for cell in getattr(fn, "__closure__", None) or ():
+    # unwrap: a strategy's wrapper (TPUStrategy's InReplicaContext) has no closure itself.
+    for cell in getattr(inspect.unwrap(fn), "__closure__", None) or ():
         try:
             captured.append(cell.cell_contents)
         except ValueError:  # an empty cell
@@ -167,9 +169,7 @@ def fingerprint(x: Any) -> Any:
 
 
 def _as_varying(x: Any) -> Any:
-    if is_tracer(x) and is_varying(x):
-        return x
-    return lax.pcast(x, AXIS, to="varying")
+    return vary(x)
 
 
 @dataclass(eq=False)
@@ -270,8 +270,9 @@ class _Slot:
 
 def as_seen_by_all(x: Any, k: int) -> Any:
     """Replica ``k``'s value of ``x`` on every replica (``x`` itself if JAX knows it is
-    the same everywhere). Remembered, so that :func:`pick_local` uses ``x`` itself."""
-    if not (is_tracer(x) and is_varying(x)):
+    the same everywhere). Remembered, so that :func:`pick_local` uses ``x`` itself.
+    Across processes, replica ``k`` is this worker's ``k``-th (the copies are local)."""
+    if not (is_tracer(x) and varies_locally(x)):
         return x
     seen = lax.all_gather(x, AXIS, tiled=False)[k]
     traced = active()

@@ -26,19 +26,78 @@ from jax import lax
 from polydist import PerReplica
 from polydist._arrays import describe
 
-__all__ = ["AXIS", "LazyPerReplica", "find_lazy", "is_tracer", "is_varying", "lazy_scope"]
+__all__ = [
+    "AXIS",
+    "WORKERS",
+    "LazyPerReplica",
+    "axes_scope",
+    "find_lazy",
+    "is_tracer",
+    "is_varying",
+    "lazy_scope",
+    "replica_axes",
+    "replica_axis",
+    "varies_locally",
+    "vary",
+]
 
-#: The one mesh axis of the replica mesh.
+#: The mesh axis of one process's replicas (the only axis in a single process).
 AXIS = "replica"
+#: The mesh axis of the workers, in a compiled run across processes: the mesh is
+#: ``(WORKERS, AXIS)``, worker-major, so a replica's linear index is its global id.
+WORKERS = "workers"
 
 
 def is_tracer(x: object) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+class _Axes(threading.local):
+    def __init__(self) -> None:
+        self.axes: tuple[str, ...] = (AXIS,)
+
+
+_axes = _Axes()
+
+
+@contextmanager
+def axes_scope(axes: tuple[str, ...]) -> Iterator[None]:
+    """The mesh axes that together index every replica, while a run is traced."""
+    saved = _axes.axes
+    _axes.axes = axes
+    try:
+        yield
+    finally:
+        _axes.axes = saved
+
+
+def replica_axes() -> tuple[str, ...]:
+    """The mesh axes of the run being traced on this thread: ``(AXIS,)``, or
+    ``(WORKERS, AXIS)`` across processes."""
+    return _axes.axes
+
+
+def replica_axis() -> str | tuple[str, ...]:
+    """The axis name that collectives over every replica take (``AXIS`` in one process)."""
+    axes = _axes.axes
+    return axes[0] if len(axes) == 1 else axes
+
+
 def is_varying(x: Any) -> bool:
     """Whether a traced value may differ between replicas (JAX's "varying manual axes")."""
+    return not jax.typeof(x).manual_axis_type.varying.isdisjoint(_axes.axes)
+
+
+def varies_locally(x: Any) -> bool:
+    """Whether a traced value may differ between this process's replicas."""
     return AXIS in jax.typeof(x).manual_axis_type.varying
+
+
+def vary(x: Any) -> Any:
+    """``x`` marked as possibly different on every replica (``lax.pcast`` to varying)."""
+    varying = jax.typeof(x).manual_axis_type.varying
+    missing = tuple(a for a in _axes.axes if a not in varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 class _Registry(threading.local):
@@ -88,7 +147,8 @@ class LazyPerReplica(PerReplica):
             return self._values
         except AttributeError:
             pass
-        if is_varying(self._local):
+        if varies_locally(self._local):
+            # This process's replicas: across processes, merge_fn sees this worker's.
             gathered = lax.all_gather(self._local, AXIS, tiled=False)
             components = tuple(gathered[k] for k in range(self._num_replicas))
         else:

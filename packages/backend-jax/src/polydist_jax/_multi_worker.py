@@ -1,14 +1,24 @@
 """``MultiWorkerMirroredStrategy`` over ``jax.distributed``: one process per worker.
 
 Each worker is one JAX process (``jax.distributed.initialize``; on CPU, gloo
-carries the cross-process collectives, JAX 0.10's default). The worker runs
-its own D replicas eagerly, one per local device (``local_devices=D``; on CPU
-this sets ``jax_num_cpu_devices``), like ``JaxBackend(jit=False)``. Every
+carries the cross-process collectives, JAX 0.10's default) with D replicas,
+one per local device (``local_devices=D``; on CPU this sets
+``jax_num_cpu_devices``).
+
+``strategy.run`` compiles as in one process (``polydist_jax._spmd``), on a
+``("workers", "replica")`` mesh of every process's replica devices,
+worker-major, so the mesh's linear index is the global replica id. Each
+worker assembles its global inputs from its own replicas' values, and gets
+back its own replicas' outputs and variable copies. The workers first agree
+on the program (`_Cluster.agree`: a digest of the function and its input
+shapes, one small all-gather); when one differs or cannot compile, every
+worker runs that call eagerly. Eager runs (``jit=False``, or that fallback)
+run the D replicas on threads, like ``JaxBackend(jit=False)``: each
 cross-replica collective is a sequential sum (or concatenation) over this
 worker's replicas, then one compiled cross-process step on a mesh of one
-device per process: ``jax.shard_map`` + ``lax.psum`` for sums, a replicated
-``jax.jit`` identity for gathers and broadcasts. The sum across workers is in
-gloo's order: results equal the sim's within the rounding bound of a sum.
+device per process (``lax.psum`` for sums, a replicated ``jax.jit`` identity
+for gathers and broadcasts). Sums across workers are in gloo's order:
+results equal the sim's within the rounding bound of a sum.
 
 The cluster comes from the ``cluster_resolver`` argument, else ``TF_CONFIG``,
 else ``polydist launch``'s ``POLYDIST_PROCESS_ID``/``POLYDIST_NUM_PROCESSES``
@@ -18,14 +28,21 @@ devices: ``jax.distributed.initialize`` must run before JAX's backends start.
 
 Bounds and faults (``CommunicationOptions.timeout_seconds``, default 60 s):
 
+* Before each cross-process collective (each compiled step counts as one,
+  ``strategy.run``) every worker publishes its signature through the
+  coordination service and compares the others'
+  (``polydist._collective_check``): workers that disagree all raise
+  ``CollectiveMismatchError`` before issuing it.
+
 * A collective that raises (gloo notices a dead peer's closed connection at
   once) becomes ``UnavailableError`` / ``DeadlineExceededError`` naming the
   workers whose heartbeats stopped (see `polydist._multi_process.Heartbeat`;
   the heartbeats go through JAX's coordination service, hosted by worker 0).
-* A collective that does not return within the timeout cannot be
-  interrupted (XLA blocks in C++). A watchdog thread then prints the same
-  diagnosis as a ``DeadlineExceededError`` message to stderr and ends the
-  process with exit code `WATCHDOG_EXIT_CODE` (75). Joining the cluster is
+* A collective (or a compiled step, compiled before the bound starts) that
+  does not return within the timeout cannot be interrupted (XLA blocks in
+  C++). A watchdog thread then prints the same diagnosis as a
+  ``DeadlineExceededError`` message to stderr and ends the process with exit
+  code `WATCHDOG_EXIT_CODE` (75). Joining the cluster is
   watched the same way; there, which worker is missing is not known (JAX's
   coordinator does not say), so the message names the coordinator.
 * After a failure the process cannot leave JAX's cluster cleanly (JAX's
@@ -41,12 +58,14 @@ import atexit
 import dataclasses
 import functools
 import math
+import operator
 import os
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -54,9 +73,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from polydist import errors
+from polydist import _variables, errors
 from polydist._arrays import describe
 from polydist._cluster import id_in_cluster, worker_count
+from polydist._collective_check import CollectiveChecker, checks_enabled
 from polydist._communication import CommunicationOptions
 from polydist._devices import DeviceSpec
 from polydist._multi_process import (
@@ -72,9 +92,13 @@ from polydist._multi_process import (
 )
 from polydist.backend import EagerReplicaRunner
 from polydist.cluster_resolver import ClusterResolver
+from polydist.errors import CollectiveMismatchError
+from polydist_jax import _functional
 from polydist_jax._backend import JaxBackend
 from polydist_jax._eager_grad import DifferentiableChannel
-from polydist_jax._typed import pspec
+from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
+from polydist_jax._spmd import CompiledRunner, _Mesh
+from polydist_jax._typed import pspec, psum
 
 if TYPE_CHECKING:
     from polydist import StrategyExtended
@@ -89,6 +113,9 @@ __all__ = [
 
 #: Exit code of a process whose collective (or cluster join) outlived the timeout.
 WATCHDOG_EXIT_CODE = 75
+# What messages call a compiled step, and the bytes of its signature the workers compare.
+_RUN = "strategy.run"
+_SIGNATURE_BYTES = 32
 _AXIS = "polydist_workers"
 _PLATFORMS = {"CPU": "cpu", "GPU": "gpu", "TPU": "tpu"}
 # JAX's own liveness bounds are set this far beyond polydist's, so that ours fire first.
@@ -271,6 +298,8 @@ def _exit_without_jax_shutdown() -> None:
     # Runs before JAX's own exit handlers (registered later). The heartbeat thread must
     # not be inside a call into JAX's C++ client when the interpreter finalizes.
     for cluster in list(_CLUSTERS):
+        if not _FAILED:
+            cluster.checker.leave()  # a peer still at a collective raises CollectiveMismatchError
         cluster.heartbeat.stop(wait=5.0)
     # After a failed collective JAX's shutdown barrier waits for the dead peer and then
     # aborts; leave without it (exit code 1, as for the uncaught error).
@@ -282,7 +311,8 @@ def _exit_without_jax_shutdown() -> None:
 
 
 class _KeyValueStore:
-    """JAX's coordination service as the `HeartbeatStore` of polydist's heartbeats."""
+    """JAX's coordination service as the `HeartbeatStore` of polydist's heartbeats and
+    the `SignatureStore` of its collective checks."""
 
     def __init__(self, prefix: str) -> None:
         self._client = _client()
@@ -298,6 +328,22 @@ class _KeyValueStore:
             if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
                 return None
             raise
+
+    def delete(self, key: str) -> None:
+        self._client.key_value_delete(self._prefix + key)
+
+    def get_all(self, keys: Sequence[str], seconds: float) -> list[str] | None:
+        deadline = time.monotonic() + seconds
+        values = []
+        for key in keys:
+            ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                values.append(str(self._client.blocking_key_value_get(self._prefix + key, ms)))
+            except Exception as e:
+                if "DEADLINE_EXCEEDED" in str(e):
+                    return None
+                raise
+        return values
 
 
 class _Cluster:
@@ -334,6 +380,18 @@ class _Cluster:
             return None if cluster is None else cluster.collectives
 
         self.heartbeat = Heartbeat(lambda: _KeyValueStore("polydist/"), rank, world_size, count)
+        # Waits longer than the watchdog: a peer that is alive but late gets its message.
+        self.checker = CollectiveChecker(
+            _KeyValueStore("polydist/"),
+            rank,
+            world_size,
+            timeout=timeout + _JAX_MARGIN_SECONDS,
+            heartbeat=self.heartbeat,
+            names=names,
+            addresses=addresses,
+            enabled=checks_enabled(),
+            overlap_writes=True,  # each write is a gRPC round trip
+        )
         _CLUSTERS.add(self)
         self._psum = jax.jit(
             jax.shard_map(
@@ -347,7 +405,9 @@ class _Cluster:
 
     def _stacked(self, local: Any) -> Any:
         """A global array whose row ``w`` is worker ``w``'s ``local``."""
-        block = jax.device_put(jnp.expand_dims(local, 0), self.local)
+        # A NumPy value goes to the device in one transfer, without a dispatch.
+        expand = np.expand_dims if isinstance(local, np.ndarray) else jnp.expand_dims
+        block = jax.device_put(expand(local, 0), self.local)
         shape = (self.world_size, *block.shape[1:])
         return jax.make_array_from_single_device_arrays(shape, self.split, [block])
 
@@ -381,17 +441,73 @@ class _Cluster:
         finally:
             watchdog.disarm()
 
+    def check(self, op: str, array: Any = None, axis: int | None = None) -> None:
+        """Before collective ``op`` of ``array`` (None: a compiled step): raises
+        ``CollectiveMismatchError`` unless every worker is about to run the same one (see
+        ``polydist._collective_check``); a late peer meets the watchdog, as in `_run`."""
+        if self.failure is not None:
+            return  # _run raises it
+        n = self.collectives + 1
+        watchdog = _watchdog()
+        watchdog.arm(self.timeout, lambda: self._late_message(op, n))
+        try:
+            if array is None:
+                self.checker.check(op)
+            else:
+                self.checker.check(op, array.dtype, array.shape, axis)
+        except CollectiveMismatchError:
+            raise  # no worker issued it
+        except Exception as e:  # a peer is gone, or the store (worker 0)
+            self.collectives = n
+            failure = self._translate(op, e)
+            self.failure = failure
+            _FAILED.append(failure)
+            raise failure from e
+        finally:
+            watchdog.disarm()
+
     def psum(self, local: Any) -> Any:
         """The sum of every worker's ``local`` (same shape and dtype everywhere)."""
+        self.check("all_reduce", local)
         stacked = local.ndim == 0 or local.shape[0] == 0
         out = self._run("all_reduce", lambda: self._psum(self._concatenated(local)))
         result = out.addressable_data(0)
         return result[0] if stacked else result
 
-    def gather(self, local: Any) -> Any:
+    def gather(self, local: Any, what: str = "all_gather") -> Any:
         """Every worker's ``local`` stacked on a new axis 0, in worker order."""
-        out = self._run("all_gather", lambda: self._gather(self._stacked(local)))
+        out = self._run(what, lambda: self._gather(self._stacked(local)))
         return out.addressable_data(0)
+
+    # -- compiled runs (polydist_jax._spmd.ProcessGroup) -----------------------------------
+    def agree(self, signature: bytes | None) -> str | None:
+        """Whether every worker runs the same compiled program (see the ProcessGroup)."""
+        self.check(_RUN)  # every worker is at a strategy.run (then the programs are compared)
+        words = np.zeros(1 + _SIGNATURE_BYTES // 4, dtype=np.int32)
+        if signature is not None:
+            words[0] = 1
+            words[1:] = np.frombuffer(signature[:_SIGNATURE_BYTES], dtype=np.int32)
+        rows = np.asarray(self.gather(words, what=_RUN))
+        unable = [w for w, row in enumerate(rows) if row[0] == 0]
+        if unable:
+            who = describe_workers(unable, self.names, self.addresses)
+            return (
+                f"worker(s) {who} cannot compile this call (their replicas' inputs differ "
+                "from one replica to another)"
+            )
+        differ = [w for w, row in enumerate(rows) if not np.array_equal(row, rows[self.rank])]
+        if differ:
+            who = describe_workers(differ, self.names, self.addresses)
+            return (
+                f"worker(s) {who} call another program than worker {self.rank}: another "
+                "function, or inputs of other shapes, dtypes or static values (e.g. a "
+                "partial last batch on some workers)"
+            )
+        return None
+
+    def execute(self, call: Callable[[], Any]) -> Any:
+        """Runs a compiled step across the workers, bounded like every collective."""
+        return self._run(_RUN, call)
 
     def _translate(self, what: str, err: BaseException) -> errors.OpError:
         said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -454,22 +570,28 @@ _add_jit = jax.jit(_add)
 
 
 class JaxProcessBackend(JaxBackend):
-    """The jax backend (eager replicas) with ``Capabilities.multi_worker``: one process
-    per worker.
+    """The jax backend with ``Capabilities.multi_worker``: one process per worker.
 
-    Until ``connect_cluster`` connects it, it is ``JaxBackend(jit=False)`` for this
-    process's devices. Afterwards its list collectives also span every worker's
-    process (see the module docstring). Device strings of this worker
+    Until ``connect_cluster`` connects it, it is ``JaxBackend`` for this process's
+    devices. Afterwards ``strategy.run`` compiles one program over every worker's
+    replicas, and its list collectives also span every worker's process (see the
+    module docstring). Device strings of this worker
     (``/job:worker/replica:0/task:<this worker>/device:CPU:k``) name its k-th local
     device of that type. `MultiWorkerMirroredStrategy` creates it.
+
+    Args:
+        jit: compile ``strategy.run`` (default); ``False`` runs the replicas eagerly.
+        timeout_seconds: for eager runs, how long one replica may run between two
+            collectives (as ``JaxBackend``'s).
     """
 
-    def __init__(self, *, timeout_seconds: float | None = None) -> None:
-        super().__init__(jit=False, eager_fallback=True, timeout_seconds=timeout_seconds)
+    def __init__(self, *, jit: bool = True, timeout_seconds: float | None = None) -> None:
+        super().__init__(jit=jit, eager_fallback=True, timeout_seconds=timeout_seconds)
         caps = dataclasses.replace(self.capabilities, multi_worker=True, reduction_orders=())
         if any(f.name == "simulated_clusters" for f in dataclasses.fields(caps)):
             caps = dataclasses.replace(caps, simulated_clusters=False)  # type: ignore[call-arg, unused-ignore]
         self.capabilities = caps
+        self._compiled = CompiledRunner(mesh_of=self._replica_mesh, group=self._process_group)
         self._replica_timeout = timeout_seconds
         self._cluster: _Cluster | None = None
         self._task: tuple[str, int] | None = None
@@ -496,6 +618,38 @@ class JaxProcessBackend(JaxBackend):
         """The workers' addresses (for messages) and the collectives' bound."""
         self._addresses = list(addresses)
         self._timeout = timeout
+
+    def set_jit(self, jit: bool) -> None:
+        """Compile ``strategy.run`` (True) or run the replicas eagerly (False)."""
+        self.jit = jit
+        self.capabilities = dataclasses.replace(
+            self.capabilities, execution_model="spmd" if jit else "eager"
+        )
+
+    # -- the compiled run's mesh -------------------------------------------------------------
+    def _process_group(self) -> _Cluster | None:
+        return self._cluster if self.connected else None
+
+    def _replica_mesh(self, devices: tuple[str, ...]) -> _Mesh:
+        """This worker's replica devices; once connected, every worker's (worker-major)."""
+        local = tuple(self._jax_device(d) for d in devices)
+        cluster = self._process_group()
+        if cluster is None:
+            return _Mesh.of(local)
+        by_process: dict[int, list[jax.Device]] = {}
+        for d in jax.devices(local[0].platform):
+            by_process.setdefault(d.process_index, []).append(d)
+        # Worker w's k-th replica is its k-th local device: JAX lists each process's
+        # devices in that order everywhere.
+        grid = [by_process.get(w, [])[: len(local)] for w in range(cluster.world_size)]
+        if grid[cluster.rank] != list(local) or any(len(row) != len(local) for row in grid):
+            raise ValueError(
+                f"Worker {cluster.rank}'s replica devices {list(devices)} are not the first "
+                f"{len(local)} local devices of every JAX process ({grid}); a compiled run "
+                "needs the same number of local devices, in JAX's order, on every worker. "
+                "Pass the same local_devices=N to every worker's MultiWorkerMirroredStrategy."
+            )
+        return _Mesh.across_processes(local, grid)
 
     # -- devices -------------------------------------------------------------------------------
     def _jax_device(self, device: str) -> jax.Device:
@@ -526,7 +680,17 @@ class JaxProcessBackend(JaxBackend):
             self._jax_device(d)
 
     def device_scope(self, device: str) -> Any:
-        return jax.default_device(self._jax_device(device))
+        scope = jax.default_device(self._jax_device(device))
+        traced = _functional.active()
+        replica = _variables._UPDATE_REPLICA.get()
+        if traced is None or replica is None:
+            return scope
+        # As JaxBackend's: core updates replica `replica`'s copies inside a compiled
+        # merge_fn; show them as that replica holds them.
+        stack = ExitStack()
+        stack.enter_context(scope)
+        stack.enter_context(traced.update_scope(replica))
+        return stack
 
     def place(self, value: Any, device: str) -> Any:
         if isinstance(value, jax.core.Tracer):
@@ -591,6 +755,7 @@ class JaxProcessBackend(JaxBackend):
         if not self.connected:
             return array
         assert self._cluster is not None
+        self._cluster.check("broadcast", array)
         return self.place(self._cluster.gather(array)[0], device)
 
     # -- running -----------------------------------------------------------------------------
@@ -600,7 +765,8 @@ class JaxProcessBackend(JaxBackend):
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
-        # all_gather's gradient keeps the replica's segment: the channel needs its global id.
+        # The eager runner (jit=False, or the fallback for uneven inputs): all_gather's
+        # gradient keeps the replica's segment, so the channel needs its global id.
         offset = int(getattr(extended, "_replica_offset", 0))
         runner = self._runners.get(offset)
         if runner is None:
@@ -611,7 +777,7 @@ class JaxProcessBackend(JaxBackend):
             )
             self._runners[offset] = runner
         self._eager = runner
-        return runner.run(extended, fn, per_replica_args)
+        return super().run_replicas(extended, fn, per_replica_args)
 
     # -- collectives -----------------------------------------------------------------------
     def reduce_to(self, values: Sequence[Any], destination: str) -> Any:
@@ -621,6 +787,8 @@ class JaxProcessBackend(JaxBackend):
                 f"cannot SUM replica values of dtype {dtype} ({describe(values[0])}); TF's add_n "
                 "does not support it. Cast to a numeric dtype first."
             )
+        if any(is_tracer(v) for v in values):
+            return self._traced_sum(values)
         target = self._jax_device(destination)
         total = jax.device_put(values[0], target)
         for v in values[1:]:
@@ -637,6 +805,8 @@ class JaxProcessBackend(JaxBackend):
     def all_gather(
         self, values: Sequence[Any], axis: int, destinations: Sequence[str]
     ) -> list[Any]:
+        if any(is_tracer(v) for v in values):
+            return [self._traced_gather(values, axis)] * len(destinations)
         target = self._jax_device(destinations[0])
         local = jnp.concatenate([jax.device_put(v, target) for v in values], axis=axis)
         if self.connected:
@@ -644,9 +814,42 @@ class JaxProcessBackend(JaxBackend):
             local = jax.device_put(self._gather_across(local, axis % local.ndim), target)
         return self.broadcast(local, destinations)
 
+    # Inside a compiled run (merge_fn's reductions), one replica's program stands for all:
+    # the values of this worker's replicas are summed (or concatenated) in the program,
+    # then combined across the workers by a collective over the mesh's worker axis.
+    def _traced_sum(self, values: Sequence[Any]) -> Any:
+        lazy = find_lazy(values)
+        if lazy is not None:  # every replica's own value: one psum over all of them
+            return psum(lazy.local, replica_axis())
+        local = functools.reduce(operator.add, (jnp.asarray(v) for v in values))
+        return self._across_workers(local, lambda x: psum(x, WORKERS))
+
+    def _traced_gather(self, values: Sequence[Any], axis: int) -> Any:
+        lazy = find_lazy(values)
+        if lazy is not None:
+            rank = len(lazy.local.shape)
+            return jax.lax.all_gather(lazy.local, replica_axis(), axis=axis % rank, tiled=True)
+        local = jnp.concatenate([jnp.asarray(v) for v in values], axis=axis)
+        return self._across_workers(
+            local, lambda x: jax.lax.all_gather(x, WORKERS, axis=axis % x.ndim, tiled=True)
+        )
+
+    def _across_workers(self, local: Any, combine: Callable[[Any], Any]) -> Any:
+        if WORKERS in replica_axes():
+            return combine(local)
+        if self.connected:
+            raise NotImplementedError(
+                "A cross-replica collective of MultiWorkerMirroredStrategy got traced values "
+                "outside a compiled strategy.run (inside your own jax.jit or jax.grad), which "
+                "cannot reach the other workers' processes. Call strategy.reduce/gather "
+                "outside JAX transformations, or inside strategy.run."
+            )
+        return local
+
     def _gather_across(self, local: Any, axis: int) -> Any:
         assert self._cluster is not None
         cluster = self._cluster
+        cluster.check("all_gather", local, axis)
         shape = np.zeros(1 + local.ndim, dtype=np.int64)
         shape[0] = local.ndim
         shape[1:] = local.shape
@@ -674,6 +877,8 @@ class JaxProcessBackend(JaxBackend):
         return jnp.concatenate(parts, axis=axis)
 
     def broadcast(self, value: Any, destinations: Sequence[str]) -> list[Any]:
+        if is_tracer(value):
+            return [value] * len(destinations)
         copies: list[Any] = []
         for d in destinations:
             target = self._jax_device(d)
@@ -712,6 +917,10 @@ class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
         local_devices: replicas per worker (a polydist extension): the first N
             local devices; on CPU it sets ``jax_num_cpu_devices`` to N. Default
             (TF's rule): every GPU of the process, else one CPU replica.
+        jit: compile ``strategy.run`` into one program over every worker's
+            replicas (default, a polydist extension); ``False`` runs this worker's
+            replicas eagerly, like ``JaxBackend(jit=False)``. Every worker must pass
+            the same value.
     """
 
     def __init__(
@@ -720,7 +929,10 @@ class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
         communication_options: CommunicationOptions | None = None,
         *,
         local_devices: int | None = None,
+        jit: bool = True,
     ) -> None:
+        if not isinstance(jit, bool):
+            raise TypeError(f"jit must be True or False, got {type(jit).__name__} {jit!r}.")
         if cluster_resolver is None:
             address = os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get(
                 "POLYDIST_COORDINATOR_ADDRESS"
@@ -749,6 +961,7 @@ class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
             _set_cpu_devices(local_devices)
         backend = _shared_backend()
         backend.prepare(addresses, timeout)
+        backend.set_jit(jit)
         super().__init__(
             cluster_resolver, communication_options, backend=backend, local_devices=local_devices
         )

@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
+import inspect
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +50,22 @@ from polydist._reduce_op import ReduceOp
 from polydist._replica_context import ReplicaContext
 from polydist._values import DistributedValues, value_container
 from polydist._variables import DistributedVariable, Variable, storage_arrays, swap_storage
-from polydist_jax import _functional
+from polydist_jax import _functional, _input
 from polydist_jax._collectives import check_summable
 from polydist_jax._devices import jax_device
 from polydist_jax._functional import TracedVariables, pick_local
-from polydist_jax._lazy import AXIS, LazyPerReplica, find_lazy, is_tracer, is_varying, lazy_scope
+from polydist_jax._lazy import (
+    AXIS,
+    WORKERS,
+    LazyPerReplica,
+    axes_scope,
+    find_lazy,
+    is_tracer,
+    is_varying,
+    lazy_scope,
+    replica_axis,
+    vary,
+)
 from polydist_jax._typed import pspec, psum, x64_enabled
 
 if TYPE_CHECKING:
@@ -85,16 +98,37 @@ class _Mesh:
     assignment's order), so psum adds in replica order.
     """
 
-    devices: tuple[jax.Device, ...]
+    devices: tuple[jax.Device, ...]  # this process's replicas' devices
     mesh: Mesh
     split: NamedSharding  # P("replica"): axis 0 split across replicas
     replicated: NamedSharding  # P(): a full copy on each replica's device
     single: tuple[SingleDeviceSharding, ...]
     index: dict[jax.Device, int]
+    # The mesh axes that together index every replica; across processes
+    # (WORKERS, AXIS), worker-major, so the linear index is the global replica id.
+    axes: tuple[str, ...] = (AXIS,)
+    size: int = 0  # every process's replicas; 0: this process's are all
+
+    @property
+    def replicas(self) -> int:
+        return self.size or len(self.devices)
+
+    @property
+    def axis(self) -> str | tuple[str, ...]:
+        """The name for ``P(...)`` and collectives over every replica."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    @property
+    def spans_processes(self) -> bool:
+        return self.replicas != len(self.devices)
 
     @staticmethod
     def build(device_strings: Sequence[str]) -> _Mesh:
-        devices = tuple(jax_device(d) for d in device_strings)
+        return _Mesh.of(tuple(jax_device(d) for d in device_strings))
+
+    @staticmethod
+    def of(devices: tuple[jax.Device, ...]) -> _Mesh:
+        """The mesh of one process's replicas, on ``devices`` in this order."""
         # Mesh(...) rather than jax.make_mesh: make_mesh's Explicit axes make shard_map
         # refuse inputs that are not already sharded that way.
         mesh = Mesh(np.array(devices, dtype=object), (AXIS,))
@@ -105,6 +139,42 @@ class _Mesh:
             replicated=NamedSharding(mesh, pspec()),
             single=tuple(SingleDeviceSharding(d) for d in devices),
             index={d: i for i, d in enumerate(devices)},
+        )
+
+    @staticmethod
+    def across_processes(
+        devices: tuple[jax.Device, ...], grid: Sequence[Sequence[jax.Device]]
+    ) -> _Mesh:
+        """The mesh of every process's replicas: ``grid[w]`` are worker ``w``'s devices
+        (the same on every process), ``devices`` this process's row."""
+        axes = (WORKERS, AXIS)
+        mesh = Mesh(np.array([list(row) for row in grid], dtype=object), axes)
+        return _Mesh(
+            devices=devices,
+            mesh=mesh,
+            split=NamedSharding(mesh, pspec(axes)),
+            replicated=NamedSharding(mesh, pspec()),
+            single=tuple(SingleDeviceSharding(d) for d in devices),
+            index={d: i for i, d in enumerate(devices)},
+            axes=axes,
+            size=sum(len(row) for row in grid),
+        )
+
+    def assemble(self, blocks: Sequence[Any]) -> Any:
+        """The global array split along axis 0 whose blocks here are ``blocks`` (this
+        process's replicas' blocks, in order; no copy)."""
+        block = blocks[0].shape
+        shape = (block[0] * self.replicas, *block[1:])
+        return jax.make_array_from_single_device_arrays(shape, self.split, list(blocks))
+
+    def replicate(self, value: Any) -> Any:
+        """``value`` as a replicated input: a copy on each replica's device (across
+        processes each process's own value: nothing assumes they are equal)."""
+        if not self.spans_processes:
+            return jax.device_put(value, self.replicated)
+        copies = [jax.device_put(value, d) for d in self.devices]
+        return jax.make_array_from_single_device_arrays(
+            tuple(np.shape(value)), self.replicated, copies
         )
 
 
@@ -170,6 +240,38 @@ def _aval(x: Any) -> tuple[tuple[int, ...], Any]:
     return tuple(x.shape), (np.dtype(x.dtype), bool(getattr(x, "weak_type", False)))
 
 
+def _portable(obj: object) -> object:
+    """A static input as another process can compare it: no ids or addresses."""
+    if obj is None or isinstance(obj, bool | int | float | complex | str | bytes):
+        return (type(obj).__name__, repr(obj))
+    if isinstance(obj, tuple | list):
+        return (type(obj).__name__, tuple(_portable(x) for x in obj))
+    if isinstance(obj, frozenset):
+        return ("frozenset", tuple(sorted(repr(_portable(x)) for x in obj)))
+    kind = type(obj)
+    name = getattr(obj, "__qualname__", None) if callable(obj) else None
+    return (kind.__module__, kind.__qualname__, name)
+
+
+def _signature(
+    fn: Callable[..., Any], spec: Any, leaves: list[_Leaf], var_keys: tuple[Any, ...], x64: bool
+) -> bytes:
+    """A digest of what makes a program (functions by name, inputs by kind, shape and
+    dtype, static inputs by value), the same in every process that runs the same step."""
+    target = inspect.unwrap(fn)  # a strategy's wrapper (InReplicaContext) differs by worker
+    name = getattr(target, "__qualname__", type(target).__qualname__)
+    parts: list[object] = [getattr(target, "__module__", ""), name, repr(spec), x64]
+    for leaf in leaves:
+        if leaf.kind == _STATIC:
+            parts.append((_STATIC, _portable(leaf.obj)))
+        elif leaf.kind == _VARIABLE:
+            parts.append((_VARIABLE, leaf.obj))
+        else:
+            parts.append((leaf.kind, leaf.shape, leaf.dtype))
+    parts.extend(key[1:] for key in var_keys)  # without id(variable)
+    return hashlib.sha256(repr(parts).encode()).digest()
+
+
 # --------------------------------------------------------------------------- programs
 
 
@@ -204,6 +306,10 @@ class _Program:
     # program is dropped from the cache after its call: every call traces again.
     created: list[Variable] = field(default_factory=list)
     evict: Callable[[], None] | None = None
+    # Across processes: what every process must agree on before running it (see
+    # ProcessGroup.agree), and the program compiled ahead of its first call.
+    signature: bytes = b""
+    executable: Any = None
 
 
 class _Call(threading.local):
@@ -309,14 +415,14 @@ class SpmdChannel:
             check_summable([a])
             _record("all_reduce", reduce_op.value, a, self._devices)
         # One psum of the whole nest: XLA combines it into one all-reduce.
-        return list(psum(arrays, AXIS))
+        return list(psum(arrays, replica_axis()))
 
     def all_gather(self, values: Sequence[Any], axis: int) -> list[Any]:
         out = []
         for v in values:
             a = jnp.asarray(v)
             _record("all_gather", None, a, self._devices)
-            out.append(lax.all_gather(a, AXIS, axis=axis % a.ndim, tiled=True))
+            out.append(lax.all_gather(a, replica_axis(), axis=axis % a.ndim, tiled=True))
         return out
 
     def merge_call(
@@ -413,10 +519,35 @@ def _per_device(fn: Callable[..., tuple[Any, ...]], columns: list[list[Any]]) ->
     return [[row[c] for row in rows] for c in range(len(columns))]
 
 
-class CompiledRunner:
-    """``run_replicas`` for the jax backend: caches and runs compiled programs."""
+class ProcessGroup(Protocol):
+    """The processes a compiled run spans (``polydist_jax._multi_worker``'s cluster)."""
 
-    def __init__(self) -> None:
+    def agree(self, signature: bytes | None) -> str | None:
+        """A collective of every process: None if all passed this ``signature``, else
+        why not. ``None``: this process's inputs cannot be compiled."""
+        ...
+
+    def execute(self, call: Callable[[], Any]) -> Any:
+        """``call()``, which runs a program with cross-process collectives, waited for
+        within the cluster's bounds (its failures become the cluster's errors)."""
+        ...
+
+
+class CompiledRunner:
+    """``run_replicas`` for the jax backend: caches and runs compiled programs.
+
+    ``mesh_of(devices)`` builds the mesh of a strategy's replica devices (default:
+    `_Mesh.build`); ``group()`` is the `ProcessGroup` a mesh across processes
+    spans, or None (one process).
+    """
+
+    def __init__(
+        self,
+        mesh_of: Callable[[tuple[str, ...]], _Mesh] | None = None,
+        group: Callable[[], ProcessGroup | None] | None = None,
+    ) -> None:
+        self._mesh_of = mesh_of or _Mesh.build
+        self._group = group
         self.compile_count = 0
         self._lock = threading.Lock()
         self._meshes: dict[tuple[str, ...], _Mesh] = {}
@@ -439,7 +570,7 @@ class CompiledRunner:
     def _mesh(self, devices: tuple[str, ...]) -> _Mesh:
         mesh = self._meshes.get(devices)
         if mesh is None:
-            mesh = self._meshes[devices] = _Mesh.build(devices)
+            mesh = self._meshes[devices] = self._mesh_of(devices)
         return mesh
 
     # -- one call -------------------------------------------------------------------
@@ -450,10 +581,23 @@ class CompiledRunner:
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
         """Raises :class:`Uneven` (before running anything) if the inputs need eager mode."""
-        program, inputs, columns, mesh, traced = self._prepare(extended, fn, per_replica_args)
+        group = self._group() if self._group is not None else None
+        if group is None:
+            prepared = self._prepare(extended, fn, per_replica_args)
+        else:
+            prepared = self._prepare_across(group, extended, fn, per_replica_args)
+        program, inputs, columns, mesh, traced = prepared
         call_variables = _call.variables
         try:
-            split, replicated, updated, fingerprints = program.jitted(*inputs)
+            if group is None:
+                outputs = program.jitted(*inputs)
+            else:
+                # Compiled ahead (outside the cluster's bound: a compile is no hang),
+                # then run with every cross-process wait bounded.
+                if program.executable is None:
+                    program.executable = program.jitted.lower(*inputs).compile()
+                executable = program.executable
+                outputs = group.execute(lambda: executable(*inputs))
         except (
             jax.errors.ConcretizationTypeError,
             jax.errors.TracerBoolConversionError,
@@ -463,13 +607,14 @@ class CompiledRunner:
             if sys.version_info >= (3, 11):
                 e.add_note(_SPMD_NOTE)
             raise
+        split, replicated, updated, fingerprints = outputs
         variables = [*call_variables, *program.created]
         if program.created and program.evict is not None:
             program.evict()
         if _trace.is_tracing():
             _replay(program.events)
         self._write_back(program, variables, updated, mesh, traced)
-        _mark_diverged(program, variables, fingerprints)
+        _mark_diverged(program, variables, fingerprints, mesh)
         return self._results(program, columns, split, replicated, mesh, traced, variables)
 
     def lower(
@@ -484,6 +629,35 @@ class CompiledRunner:
         if program.created and program.evict is not None:
             program.evict()
         return lowered
+
+    def _prepare_across(
+        self,
+        group: ProcessGroup,
+        extended: StrategyExtended,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> tuple[_Program, list[Any], list[list[Any]], _Mesh, bool]:
+        """`_prepare`, then every process agrees to run the same program: each one
+        builds its global arrays from its own replicas' shapes, so a process whose
+        inputs differ (a partial last batch) would run another program. Otherwise
+        every process raises :class:`Uneven` (and runs this call eagerly)."""
+        try:
+            prepared = self._prepare(extended, fn, per_replica_args)
+        except Uneven:
+            group.agree(None)  # the others fall back to eager mode with this process
+            raise
+        program, traced = prepared[0], prepared[4]
+        if traced:
+            raise NotImplementedError(
+                "strategy.run of a strategy whose replicas span several processes "
+                "(MultiWorkerMirroredStrategy) was called inside a JAX transformation "
+                "(jax.jit, jax.grad, ...) with traced inputs; it cannot join that trace. Call "
+                "strategy.run outside JAX transformations: it compiles the step itself."
+            )
+        why = group.agree(program.signature)
+        if why is not None:
+            raise Uneven(why)
+        return prepared
 
     def _prepare(
         self,
@@ -535,7 +709,7 @@ class CompiledRunner:
                 inputs.append(cached)
                 continue
             if not distributed:
-                value = jax.device_put(arrays[0], mesh.replicated)
+                value = mesh.replicate(arrays[0])
                 self._variable_inputs.put(var, arrays, value)
                 inputs.append(value)
                 continue
@@ -551,10 +725,7 @@ class CompiledRunner:
         for i, item in enumerate(inputs):
             if isinstance(item, tuple):
                 var, arrays, parts = item
-                block = parts[0].shape
-                value = jax.make_array_from_single_device_arrays(
-                    (block[0] * len(parts), *block[1:]), mesh.split, parts
-                )
+                value = mesh.assemble(parts)
                 self._variable_inputs.put(var, arrays, value)
                 inputs[i] = value
         return inputs, tuple(keys)
@@ -631,10 +802,15 @@ class CompiledRunner:
                 elif isinstance(first, jax.Array) and first.sharding == mesh.replicated:
                     inputs.append(first)
                 else:
-                    value = jax.device_put(first, mesh.replicated)
+                    value = mesh.replicate(first)
                     shape, dtype = _aval(value)
                     inputs.append(value)
                 leaves.append(_Leaf(_SHARED, shape=shape, dtype=dtype))
+                continue
+            sharded = _input.run_input(column, mesh)
+            if sharded is not None:  # a distributed dataset's global array, or NumPy batches
+                leaves.append(_Leaf(_REPLICA, shape=sharded[1][0], dtype=sharded[1][1]))
+                inputs.append(sharded[0])
                 continue
             components = [self._component(v, r, mesh) for r, v in enumerate(column)]
             shape, dtype = _aval(components[0])
@@ -662,11 +838,7 @@ class CompiledRunner:
                 inputs[i] = comps
         for i, value in enumerate(inputs):
             if isinstance(value, list):
-                block = value[0].shape
-                global_shape = (block[0] * len(value), *block[1:])
-                inputs[i] = jax.make_array_from_single_device_arrays(
-                    global_shape, mesh.split, value
-                )
+                inputs[i] = mesh.assemble(value)
         return leaves, inputs, traced
 
     @staticmethod
@@ -710,6 +882,8 @@ class CompiledRunner:
                 return program
         kinds = [isinstance(v, DistributedVariable) for v in variables]
         program = self._build(extended, fn, leaves, mesh, spec, kinds)
+        if mesh.spans_processes:
+            program.signature = _signature(fn, spec, leaves, key[3], key[4])
 
         def evict() -> None:
             with self._lock:
@@ -736,10 +910,11 @@ class CompiledRunner:
         devices = tuple(extended.worker_devices)
         n = len(devices)
         dynamic = [leaf for leaf in leaves if leaf.kind not in (_STATIC, _VARIABLE)]
-        in_specs = tuple(pspec(AXIS) if leaf.kind == _REPLICA else pspec() for leaf in dynamic)
+        split_spec = pspec(mesh.axis)
+        in_specs = tuple(split_spec if leaf.kind == _REPLICA else pspec() for leaf in dynamic)
         # The variables' copies follow the other inputs: split (one copy per replica), or
         # replicated for a plain variable (one copy, read-only).
-        in_specs += tuple(pspec(AXIS) if d else pspec() for d in distributed)
+        in_specs += tuple(split_spec if d else pspec() for d in distributed)
 
         def body(*blocks: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
             self.compile_count += 1
@@ -749,8 +924,7 @@ class CompiledRunner:
             for var, block in zip(variables, blocks[len(dynamic) :], strict=True):
                 if isinstance(var, DistributedVariable) and not var.shape:
                     block = jnp.reshape(block, ())  # rank-0 copies travel as shape [1]
-                if not is_varying(block):
-                    block = lax.pcast(block, AXIS, to="varying")  # as shared inputs
+                block = vary(block)  # as shared inputs
                 var_blocks.append(block)
             traced_vars = TracedVariables(variables, var_blocks, n)
             values: list[Any] = []
@@ -770,14 +944,14 @@ class CompiledRunner:
                 if leaf.kind == _SHARED and not is_varying(block):
                     # TF's replicas each own their inputs: make the copy "varying", so
                     # jax.grad with respect to it is this replica's gradient alone.
-                    block = lax.pcast(block, AXIS, to="varying")
+                    block = vary(block)
                     shared.add(id(block))
                 entries[id(block)] = i
                 values.append(block)
             args, kwargs = _nest.unflatten(spec, values)
             channel = SpmdChannel(strategy, devices, shared, traced_vars)
             ctx = ReplicaContext(
-                strategy, lax.axis_index(AXIS), channel=channel, replica_index=None
+                strategy, lax.axis_index(mesh.axis), channel=channel, replica_index=None
             )
             with traced_vars.tracing(extended):
                 with _capture_collectives() as capture, lazy_scope():
@@ -833,11 +1007,15 @@ class CompiledRunner:
             checks = [jnp.reshape(jnp.stack(fingerprints), (1, -1))] if fingerprints else []
             return split, replicated, new_values, checks
 
+        def scoped(*blocks: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+            with axes_scope(mesh.axes):
+                return body(*blocks)
+
         mapped = jax.shard_map(
-            body,
+            scoped,
             mesh=mesh.mesh,
             in_specs=in_specs,
-            out_specs=(pspec(AXIS), pspec(), pspec(AXIS), pspec(AXIS)),
+            out_specs=(split_spec, pspec(), split_spec, split_spec),
         )
         program = _Program(jitted=jax.jit(mapped), leaves=leaves)
         return program
@@ -887,7 +1065,9 @@ class CompiledRunner:
         return results
 
 
-def _mark_diverged(program: _Program, variables: list[Variable], fingerprints: list[Any]) -> None:
+def _mark_diverged(
+    program: _Program, variables: list[Variable], fingerprints: list[Any], mesh: _Mesh
+) -> None:
     """Hands core's divergence check (after the call) the NONE variables this call wrote
     whose copies' fingerprints differ; one small transfer, none once all have warned."""
     if not fingerprints or is_tracer(fingerprints[0]):
@@ -895,7 +1075,13 @@ def _mark_diverged(program: _Program, variables: list[Variable], fingerprints: l
     dirty = [variables[p] for p in program.dirty]
     if all(getattr(v, "_divergence_warned", False) for v in dirty):
         return
-    rows = np.asarray(fingerprints[0])  # one row of fingerprints per replica
+    # One row of fingerprints per replica (this process's: its copies are the variable's).
+    found = fingerprints[0]
+    rows = (
+        np.concatenate([np.asarray(part) for part in _shards(found, mesh)])
+        if mesh.spans_processes
+        else np.asarray(found)
+    )
     columns = rows.reshape(rows.shape[0], len(dirty), -1)
     for j, var in enumerate(dirty):
         if not (columns[:, j] == columns[0, j]).all():

@@ -11,11 +11,11 @@ from jax.sharding import PartitionSpec
 __all__ = ["pspec", "psum", "x64_enabled"]
 
 
-def psum(x: Any, axis_name: str) -> Any:
+def psum(x: Any, axis_name: str | tuple[str, ...]) -> Any:
     return lax.psum(x, axis_name)  # type: ignore[no-untyped-call]
 
 
-def pspec(*axes: str) -> PartitionSpec:
+def pspec(*axes: str | tuple[str, ...]) -> PartitionSpec:
     return PartitionSpec(*axes)  # type: ignore[no-untyped-call]
 
 

@@ -201,6 +201,8 @@ class TorchBackend:
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
+        if self._runner.runs_inline(len(per_replica_args)):
+            return self._runner.run(extended, fn, per_replica_args)  # on this thread
         # Replicas run on other threads, and torch's grad, inference and autocast modes
         # are per thread: carry the caller's into every replica, as DataParallel does.
         state = _ThreadState.capture()

@@ -29,16 +29,6 @@ __all__ = ["Algorithm", "all_gather", "all_reduce", "broadcast", "reduce_to"]
 Algorithm = Literal["sequential", "nccl"]
 
 
-def _check_summable(values: Sequence[torch.Tensor]) -> None:
-    dtype = values[0].dtype
-    if dtype == torch.bool:
-        # TF's add_n rejects bool, and so does the sim; torch would silently OR.
-        raise TypeError(
-            "Cannot SUM bool values across replicas (TF's add_n does not support bool). "
-            "Cast them to an integer dtype first, e.g. x.to(torch.int32)."
-        )
-
-
 def _nccl_ok(values: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> bool:
     """True when torch.cuda.comm applies: one value per distinct CUDA device, not complex."""
     if len(values) < 2 or values[0].is_complex():
@@ -77,7 +67,6 @@ def _broadcast_cuda(value: torch.Tensor, devices: Sequence[torch.device]) -> lis
 def all_reduce(
     values: Sequence[torch.Tensor], destinations: Sequence[str], algorithm: Algorithm
 ) -> list[torch.Tensor]:
-    _check_summable(values)
     devices = [torch_device(d) for d in destinations]
     with torch.no_grad():
         if algorithm == "nccl" and _nccl_ok(values, devices):
@@ -90,7 +79,6 @@ def all_reduce(
 def reduce_to(
     values: Sequence[torch.Tensor], destination: str, algorithm: Algorithm
 ) -> torch.Tensor:
-    _check_summable(values)
     device = torch_device(destination)
     with torch.no_grad():
         if algorithm == "nccl" and _nccl_ok(values, [v.device for v in values]):

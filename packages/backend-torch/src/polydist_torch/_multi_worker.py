@@ -8,7 +8,10 @@ one ``torch.distributed`` collective across the workers' processes
 for CUDA ones (``init_process_group("cpu:gloo,cuda:nccl")``). The sum
 across workers is in gloo's (or NCCL's) order, so results equal the sim's
 within the rounding bound of a sum, not bit for bit
-(``Capabilities.reduction_orders`` is empty).
+(``Capabilities.reduction_orders`` is empty). One replica's host tensor of
+at least 1 MiB is summed out of place instead, by a ring over gloo's
+send/recv into recycled memory (``polydist_torch._host_all_reduce``): TF's
+all_reduce leaves its input unchanged, and this spares the copy.
 
 The cluster comes from, in order: the ``cluster_resolver`` argument;
 ``TF_CONFIG`` (``polydist launch`` sets it); ``torchrun``'s ``RANK``,
@@ -36,9 +39,13 @@ Bounds and faults (``CommunicationOptions.timeout_seconds``, default
   restart them (from the latest checkpoint). ``polydist launch`` stops the
   other workers when one fails.
 
-Not checked across processes: that every worker calls the same collectives
-with the same shapes (the sim's ``CollectiveMismatchError``); a disagreement
-shows as a timeout or as gloo's own error.
+Agreement: before each collective every worker publishes its signature (op,
+reduce op, dtype, shape, call site) to the store and compares the others'
+(``polydist._collective_check``); workers that disagree all raise
+``CollectiveMismatchError`` before issuing it (unchecked, gloo would hang,
+abort the process or return wrong values). ``POLYDIST_CHECK_COLLECTIVES=0``
+turns this off; a process group the program initialized itself is not
+checked (no store).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from polydist import errors
+from polydist._collective_check import CollectiveChecker, PeerMissing, checks_enabled
 from polydist._communication import CommunicationOptions
 from polydist._devices import DeviceSpec
 from polydist._multi_process import (
@@ -73,14 +81,17 @@ from polydist._multi_process import (
 )
 from polydist.backend import EagerReplicaRunner
 from polydist.cluster_resolver import ClusterResolver
+from polydist.errors import CollectiveMismatchError
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._backend import Reduction, TorchBackend
-from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count
+from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
+from polydist_torch._host_all_reduce import RING_MIN_BYTES, ResultCache, ring_all_reduce
 
 if TYPE_CHECKING:
     from polydist import StrategyExtended
 
 __all__ = [
+    "DEFAULT_RESULT_CACHE_BYTES",
     "DEFAULT_TIMEOUT_SECONDS",
     "HEARTBEAT_SECONDS",
     "MultiWorkerMirroredStrategy",
@@ -88,6 +99,8 @@ __all__ = [
     "shutdown",
 ]
 
+#: ``TorchProcessGroupBackend(result_cache_bytes=...)``'s default.
+DEFAULT_RESULT_CACHE_BYTES = 1 << 30
 # Bound on the store operations of the diagnosis itself.
 _DIAGNOSIS_TIMEOUT = datetime.timedelta(seconds=2)
 # Bound on each store operation of the heartbeat thread.
@@ -120,10 +133,12 @@ def _first_line(err: BaseException) -> str:
 
 
 class _StoreAdapter:
-    """A torch ``Store`` as the `HeartbeatStore` of polydist's heartbeats."""
+    """A torch ``Store`` as the `HeartbeatStore` of polydist's heartbeats and the
+    `SignatureStore` of its collective checks."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
+        self._timeout: float | None = None
 
     def set(self, key: str, value: str) -> None:
         self._store.set(key, value)
@@ -132,6 +147,19 @@ class _StoreAdapter:
         if not self._store.check([key]):
             return None
         return bytes(self._store.get(key)).decode()
+
+    def delete(self, key: str) -> None:
+        self._store.delete_key(key)
+
+    def get_all(self, keys: Sequence[str], seconds: float) -> list[str] | None:
+        if seconds != self._timeout:  # a local setting, no round trip
+            self._store.set_timeout(_timedelta(seconds))
+            self._timeout = seconds
+        try:
+            values = self._store.multi_get(list(keys))  # waits for every key
+        except dist.DistStoreError:  # not all set in time (a lost store is DistNetworkError)
+            return None
+        return [bytes(v).decode() for v in values]
 
 
 class _ProcessGroup:
@@ -157,8 +185,10 @@ class _ProcessGroup:
         self.store = store
         self.make_store = make_store
         self.collectives = 0  # how many collectives this process has entered
+        self._gloo: bool | None = None
         self.failure: errors.OpError | None = None
         self.heartbeat: Heartbeat | None = None
+        self.checker: CollectiveChecker | None = None
         if make_store is not None:
             me = weakref.ref(self)
 
@@ -168,6 +198,16 @@ class _ProcessGroup:
 
             self.heartbeat = Heartbeat(
                 lambda: _StoreAdapter(make_store()), rank, world_size, collectives
+            )
+            self.checker = CollectiveChecker(
+                _StoreAdapter(make_store()),
+                rank,
+                world_size,
+                timeout=timeout,
+                heartbeat=self.heartbeat,
+                names=names,
+                addresses=addresses,
+                enabled=checks_enabled(),
             )
 
     # -- joining -----------------------------------------------------------------------------
@@ -270,6 +310,21 @@ class _ProcessGroup:
             return None
 
     # -- collectives -----------------------------------------------------------------------
+    def check(self, op: str, tensor: torch.Tensor, axis: int | None = None) -> None:
+        """Before collective ``op`` of ``tensor``: raises ``CollectiveMismatchError`` unless
+        every worker is about to run the same one (see ``polydist._collective_check``)."""
+        if self.checker is None or self.failure is not None:
+            return  # no store to compare through (or call() raises the failure)
+        try:
+            self.checker.check(op, tensor.dtype, tensor.shape, axis)
+        except CollectiveMismatchError:
+            raise  # no worker issued it: the group is still usable
+        except RuntimeError as e:  # a peer is missing, or the store is gone
+            self.collectives += 1  # the collective it was entering, for the diagnosis
+            failure = self._translate(op, e)
+            self.failure = failure
+            raise failure from e
+
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
         if self.failure is not None:
             raise type(self.failure)(
@@ -289,8 +344,11 @@ class _ProcessGroup:
         timed_out = "timed out" in said.lower() or "timeout" in said.lower()
         dead, behind = self._diagnose()
         n = self.collectives
+        source = (
+            "polydist's collective check" if isinstance(err, PeerMissing) else "torch.distributed"
+        )
         tail = (
-            f" torch.distributed said: {said}. The process group cannot be used any more: stop "
+            f" {source} said: {said}. The process group cannot be used any more: stop "
             "every worker and restart them all, from the latest checkpoint (polydist launch "
             "stops the others when one fails). If the peers are merely slow, raise "
             "CommunicationOptions(timeout_seconds=...)."
@@ -321,6 +379,32 @@ class _ProcessGroup:
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         view = torch.view_as_real(tensor) if tensor.is_complex() else tensor
         self.call("all_reduce", lambda: dist.all_reduce(view, op=dist.ReduceOp.SUM))
+
+    def all_reduce(self, tensor: torch.Tensor, cache: ResultCache) -> torch.Tensor:
+        """The sum over workers of ``tensor`` as a new tensor; ``tensor`` is only read."""
+        if tensor.device.type != "cpu":
+            out = tensor.clone(memory_format=torch.contiguous_format)
+            self.all_reduce_(out)
+            return out
+        out = cache.empty(tensor.shape, tensor.dtype)
+        if out.nbytes < RING_MIN_BYTES or not self._sends_and_receives():
+            out.copy_(tensor)
+            self.all_reduce_(out)
+            return out
+        src, dst = _wire(tensor), _wire(out)
+        self.call(
+            "all_reduce",
+            lambda: ring_all_reduce(
+                src, dst, rank=self.rank, world_size=self.world_size, timeout=self.timeout
+            ),
+        )
+        return out
+
+    def _sends_and_receives(self) -> bool:
+        """Whether the default group's host backend is gloo (ring_all_reduce's send/recv)."""
+        if self._gloo is None:
+            self._gloo = dist.is_initialized() and "gloo" in str(dist.get_backend())
+        return self._gloo
 
     def broadcast_(self, tensor: torch.Tensor) -> None:
         view = _wire(tensor)
@@ -360,6 +444,8 @@ class _ProcessGroup:
         return _unwire(torch.cat(trimmed, dim=axis), tensor.dtype)
 
     def close(self, wait: float = 0.0) -> None:
+        if self.checker is not None and self.failure is None:
+            self.checker.leave()  # a peer still at a collective raises CollectiveMismatchError
         if self.heartbeat is not None:
             self.heartbeat.stop(wait)
 
@@ -398,6 +484,10 @@ class TorchProcessGroupBackend(TorchBackend):
             bound is ``CommunicationOptions.timeout_seconds``.
         dist_backend: torch.distributed's backend; default ``"cpu:gloo,cuda:nccl"``
             when CUDA is available, else ``"gloo"``.
+        result_cache_bytes: host memory kept for the results of collectives
+            across workers (default `DEFAULT_RESULT_CACHE_BYTES`; 0: none). A
+            block is reused once the program holds no tensor on it, which spares
+            the page faults of fresh memory (see ``polydist_torch._host_all_reduce``).
     """
 
     name = "torch"
@@ -408,8 +498,10 @@ class TorchProcessGroupBackend(TorchBackend):
         *,
         timeout_seconds: float | None = None,
         dist_backend: str | None = None,
+        result_cache_bytes: int = DEFAULT_RESULT_CACHE_BYTES,
     ) -> None:
         super().__init__(reduction, timeout_seconds=timeout_seconds)
+        self._cache = ResultCache(result_cache_bytes)
         caps = dataclasses.replace(self.capabilities, multi_worker=True, reduction_orders=())
         if any(f.name == "simulated_clusters" for f in dataclasses.fields(caps)):
             caps = dataclasses.replace(caps, simulated_clusters=False)  # type: ignore[call-arg, unused-ignore]
@@ -542,6 +634,7 @@ class TorchProcessGroupBackend(TorchBackend):
         tensor = self.place(value, device)
         if self.connected:
             assert self._group is not None
+            self._group.check("broadcast", tensor)
             with torch.no_grad():
                 tensor = tensor.clone() if isinstance(value, torch.Tensor) else tensor
                 self._group.broadcast_(tensor)
@@ -573,18 +666,44 @@ class TorchProcessGroupBackend(TorchBackend):
         if not self.connected:
             return super().all_reduce(values, destinations)
         total = self.reduce_to(values, destinations[0])  # a new tensor, on destinations[0]
-        return [total, *super().broadcast(total, destinations[1:])] if destinations[1:] else [total]
+        return [total, *self._copies(total, destinations[1:])]
 
     def reduce_to(self, values: Sequence[Any], destination: str) -> Any:
-        local = super().reduce_to(values, destination)
         if not self.connected:
-            return local
+            return super().reduce_to(values, destination)
         assert self._group is not None
+        self._group.check("all_reduce", values[0])
         with torch.no_grad():
-            if len(values) == 1 and local is values[0]:
-                local = local.clone()  # never sum into the caller's tensor
+            if len(values) == 1 and isinstance(values[0], torch.Tensor):
+                # Out of place: the replica's tensor is only read.
+                return self._group.all_reduce(values[0].to(torch_device(destination)), self._cache)
+            local = self._local_sum(values, destination)  # a new tensor
             self._group.all_reduce_(local)
         return local
+
+    def _local_sum(self, values: Sequence[Any], destination: str) -> Any:
+        """The sum of this worker's values in replica order, into a cached block on CPU."""
+        device = torch_device(destination)
+        if device.type != "cpu" or not all(isinstance(v, torch.Tensor) for v in values):
+            return super().reduce_to(values, destination)
+        first = values[0].to(device)
+        total = self._cache.empty(first.shape, first.dtype)
+        torch.add(first, values[1].to(device), out=total)
+        for value in values[2:]:
+            total.add_(value.to(device))
+        return total
+
+    def _copies(self, value: torch.Tensor, destinations: Sequence[str]) -> list[Any]:
+        """A new copy of ``value`` per destination, into cached blocks on CPU."""
+        copies = []
+        with torch.no_grad():
+            for destination in destinations:
+                device = torch_device(destination)
+                if device.type == "cpu":
+                    copies.append(self._cache.empty(value.shape, value.dtype).copy_(value))
+                else:
+                    copies.append(value.to(device, copy=True))
+        return copies
 
     def all_gather(
         self, values: Sequence[Any], axis: int, destinations: Sequence[str]
@@ -593,13 +712,16 @@ class TorchProcessGroupBackend(TorchBackend):
         if not self.connected:
             return super().broadcast(local, destinations) if len(destinations) > 1 else [local]
         assert self._group is not None
+        axis = axis % max(local.dim(), 1)
+        self._group.check("all_gather", local, axis)
         with torch.no_grad():
-            gathered = self._group.all_gather(local, axis % max(local.dim(), 1))
+            gathered = self._group.all_gather(local, axis)
         return super().broadcast(gathered, destinations)
 
     def close(self) -> None:
         """Leaves the cluster: stops the heartbeat and destroys the torch process group."""
         group, self._group = self._group, None
+        self._cache.clear()
         if group is None:
             return
         group.close()

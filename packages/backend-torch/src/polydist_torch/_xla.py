@@ -22,6 +22,13 @@ manually sharded region (pytorch/xla#7576). So ``run_replicas`` is
 
 Execution is lazy, as always in torch-xla: nothing runs until a result is read
 or ``torch_xla.sync()`` is called.
+
+The mesh follows the strategy's ``worker_devices``: position ``r`` is replica
+``r``'s device (``xs.Mesh`` device ids in replica order). ``TPUStrategy`` runs
+on ``local_tpu_system()``: on TPUs, the cores at the ``coords`` and
+``core_on_chip`` of torch-xla's device attributes; elsewhere the XLA devices
+stand in for TPU cores (a chain of one-core chips). TPU core ``k`` is XLA
+device ``k``, so a device assignment orders the mesh.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from polydist import ReduceOp, ReplicaContext
 from polydist._devices import DeviceSpec
 from polydist._nest import flatten, unflatten
 from polydist.backend import Capabilities, convert_to_array
+from polydist.tpu import LocalTPUSystem
 from polydist_torch._devices import canonical_device
 
 if TYPE_CHECKING:
@@ -70,6 +78,17 @@ UNSUPPORTED: dict[str, str] = {
     "eager_collectives": (
         "per-device xm.all_reduce/all_gather across XLA:CPU devices abort in XLA's rendezvous "
         "(pytorch/xla#9089), so replicas cannot run eagerly one per device"
+    ),
+    "tpu_model_parallelism": (
+        "TPUStrategy needs one replica on every XLA device (or a single replica): torch-xla's "
+        "xs.Mesh must use every device ('Number of device IDs must match the global number "
+        "of devices') and the SPMD program runs one replica per mesh device, so a device "
+        "assignment with several cores per replica (computation_shape) or fewer replicas "
+        "than devices cannot run"
+    ),
+    "tpu_multi_host": (
+        "TPUStrategy drives every TPU core from one process; torch-xla on a multi-host slice "
+        "runs one process per host"
     ),
 }
 
@@ -141,15 +160,20 @@ class XlaSpmdBackend:
         runtime_type = str(xr.device_type())
         self._kind = {"TPU": "TPU", "CUDA": "GPU"}.get(runtime_type, "XLA")
         self.device: torch.device = torch_xla.device()
+        self._runtime_type = runtime_type
+        self._xr = xr
         self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), (_AXIS,))
-        self._groups = [list(range(self.num_devices))]
+        self._meshes: dict[tuple[int, ...], Any] = {tuple(range(self.num_devices)): self.mesh}
         self.capabilities = Capabilities(
             execution_model="spmd",
-            # XLA:CPU's all-reduce adds in device order (measured bitwise); TPU/GPU: unknown.
+            # XLA:CPU's all-reduce adds in its replica group's order, which lists the devices
+            # in replica order (measured bitwise); TPU/GPU: unknown.
             reduction_orders=("sequential",) if runtime_type == "CPU" else (),
             autodiff=True,
             multi_worker=False,
-            tpu=runtime_type == "TPU",
+            # TPUStrategy on TPUClusterResolver("local"): the TPU cores, or elsewhere the
+            # XLA devices standing in for them (local_tpu_system).
+            tpu=True,
             dynamic_shapes=False,
             float64=runtime_type != "TPU",
             uneven_gather=False,
@@ -179,9 +203,48 @@ class XlaSpmdBackend:
         devices = self.list_devices()
         return devices[:1] if count == 1 else devices
 
+    def local_tpu_system(self) -> LocalTPUSystem:
+        """The TPU cores of ``TPUStrategy``: core ``k`` is XLA device ``k``.
+
+        On TPUs at the ``coords``/``core_on_chip`` of torch-xla's device attributes;
+        elsewhere the XLA devices stand in, a chain of one-core chips ``(k, 0, 0)``.
+        """
+        if self._runtime_type != "TPU":
+            return LocalTPUSystem.from_devices(
+                [_Core(k, (k, 0, 0), 0) for k in range(self.num_devices)],
+                stand_ins=self.list_devices(),
+            )
+        if self._xr.process_count() > 1:
+            raise NotImplementedError(f"TPUStrategy on torch-xla: {UNSUPPORTED['tpu_multi_host']}.")
+        attributes = sorted(
+            self._xr.global_runtime_device_attributes(),
+            key=lambda a: int(str(a["name"]).rsplit(":", 1)[-1]),
+        )
+        cores = [
+            _Core(k, tuple(int(c) for c in a["coords"]), int(a["core_on_chip"]))
+            for k, a in enumerate(attributes)
+        ]
+        kind = str(attributes[0].get("device_kind", "")) if attributes else ""
+        return LocalTPUSystem.from_devices(cores, generation=_GENERATIONS.get(kind, ""))
+
+    def _tpu_devices(self) -> tuple[str, ...]:
+        return tuple(canonical_device("TPU", k) for k in range(self.num_devices))
+
     def validate_devices(self, devices: Sequence[str]) -> None:
         expected = self.list_devices()
         given = tuple(DeviceSpec.parse(d).to_string() for d in devices)
+        cores = self._tpu_devices()
+        if len(given) > 1 and set(given) <= set(cores):
+            # TPUStrategy: every core once, in the device assignment's order.
+            if sorted(given) != sorted(cores):
+                raise ValueError(
+                    f"TPUStrategy on torch-xla got {len(given)} replicas on {list(devices)}, "
+                    f"but {UNSUPPORTED['tpu_model_parallelism']} (this backend has "
+                    f"{self.num_devices})."
+                )
+            return
+        if len(given) == 1 and given[0] in cores:
+            return
         # Every device, in order (one SPMD program), or a single one (one replica that
         # runs as ordinary torch-xla code: OneDeviceStrategy, MirroredStrategy(1)).
         if given != expected and not (len(given) == 1 and given[0] in expected):
@@ -197,6 +260,14 @@ class XlaSpmdBackend:
     def _torch_device(self, device: str) -> torch.device:
         spec = DeviceSpec.parse(device)
         return torch.device("cpu") if spec.device_type == "CPU" else self.device
+
+    def _mesh_of(self, devices: Sequence[str]) -> Any:
+        """The ``("replica",)`` mesh whose position ``r`` is ``devices[r]``."""
+        ids = tuple(DeviceSpec.parse(d).device_index for d in devices)
+        mesh = self._meshes.get(ids)
+        if mesh is None:
+            mesh = self._meshes[ids] = self._xs.Mesh(np.array(ids), (len(ids),), (_AXIS,))
+        return mesh
 
     def place(self, value: Any, device: str) -> Any:
         target = self._torch_device(device)
@@ -262,11 +333,12 @@ class XlaSpmdBackend:
     ) -> tuple[list[list[Any]], Any]:
         """Traces ``fn`` once; returns each result leaf's per-replica values, and the nest."""
         n = len(flat)
-        leaves = [self._open(i, [f[0][i] for f in flat]) for i in range(len(flat[0][0]))]
+        mesh = self._mesh_of(extended.worker_devices)
+        leaves = [self._open(i, [f[0][i] for f in flat], mesh) for i in range(len(flat[0][0]))]
         args, kwargs = unflatten(spec, leaves)
         ids = np.arange(n, dtype=np.int32)
-        replica_id = self._open(-1, list(ids)).reshape(())
-        channel = _SpmdChannel(self, replica_id)
+        replica_id = self._open(-1, list(ids), mesh).reshape(())
+        channel = _SpmdChannel(self, replica_id, mesh)
         strategy = extended._container_strategy()
         with (
             ReplicaContext(strategy, replica_id, channel=channel),
@@ -274,9 +346,9 @@ class XlaSpmdBackend:
         ):
             result = fn(*args, **kwargs)
         out_leaves, out_spec = flatten(result)
-        return [self._close(v, n) for v in out_leaves], out_spec
+        return [self._close(v, n, mesh) for v in out_leaves], out_spec
 
-    def _open(self, index: int, values: list[Any]) -> Any:
+    def _open(self, index: int, values: list[Any], mesh: Any) -> Any:
         """One argument leaf, as the traced program sees it.
 
         torch-xla needs every tensor that enters a manual region to come through
@@ -290,7 +362,7 @@ class XlaSpmdBackend:
             if not (hasattr(first, "shape") and hasattr(first, "dtype")):
                 return first
             tensor = torch.as_tensor(self.place(first, self.list_devices()[0]))
-            return _open_replicated(self, tensor)
+            return _open_replicated(self, mesh, tensor)
         if not all(hasattr(v, "shape") and hasattr(v, "dtype") for v in values):
             kinds = sorted({type(v).__name__ for v in values})
             raise TypeError(
@@ -301,15 +373,15 @@ class XlaSpmdBackend:
         stacked = torch.stack([torch.as_tensor(self.place(v, "/cpu:0")) for v in values])
         stacked = stacked.to(self.device)
         partition = (_AXIS,) + (None,) * (stacked.dim() - 1)
-        local = self._xs.enable_manual_sharding(stacked, partition, mesh=self.mesh)
+        local = self._xs.enable_manual_sharding(stacked, partition, mesh=mesh)
         return local.global_tensor.squeeze(0)
 
-    def _open_replicated_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        local = self._xs.enable_manual_sharding(tensor, (None,) * tensor.dim(), mesh=self.mesh)
+    def _open_replicated_tensor(self, mesh: Any, tensor: torch.Tensor) -> torch.Tensor:
+        local = self._xs.enable_manual_sharding(tensor, (None,) * tensor.dim(), mesh=mesh)
         opened: torch.Tensor = local.global_tensor
         return opened
 
-    def _close(self, value: Any, n: int) -> list[Any]:
+    def _close(self, value: Any, n: int, mesh: Any) -> list[Any]:
         """One result leaf: per-replica rows of a traced tensor; other values as they are."""
         if not isinstance(value, torch.Tensor):
             return [value] * n
@@ -319,13 +391,13 @@ class XlaSpmdBackend:
         # it), and the autograd graph would keep tensors of the manual region alive.
         partition = (_AXIS,) + (None,) * value.dim()
         full = self._xs.disable_manual_sharding(
-            value.detach().unsqueeze(0), partition, (n, *value.shape), mesh=self.mesh
+            value.detach().unsqueeze(0), partition, (n, *value.shape), mesh=mesh
         ).global_tensor
         return [full[r] for r in range(n)]
 
-    def _spmd_sum(self, value: torch.Tensor) -> torch.Tensor:
+    def _spmd_sum(self, value: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
         result: torch.Tensor = self._xla_c._xla_spmd_all_reduce(
-            self._xm.REDUCE_SUM, value, 1.0, self._groups
+            self._xm.REDUCE_SUM, value, 1.0, groups
         )
         return result
 
@@ -374,9 +446,11 @@ def _scope(device: torch.device) -> Iterator[None]:
 class _SpmdChannel:
     """The ReplicaChannel of the traced program: collectives become XLA all-reduces."""
 
-    def __init__(self, backend: XlaSpmdBackend, replica_id: torch.Tensor) -> None:
+    def __init__(self, backend: XlaSpmdBackend, replica_id: torch.Tensor, mesh: Any) -> None:
         self._backend = backend
         self._replica_id = replica_id
+        # Every device, in replica order (XLA:CPU adds in the group's order).
+        self._groups = [[int(i) for i in mesh.device_ids]]
 
     def _tensor(self, value: Any) -> torch.Tensor:
         return torch.as_tensor(self._backend.place(value, self._backend.list_devices()[0]))
@@ -395,7 +469,7 @@ class _SpmdChannel:
             value = value + (self._replica_id * 0).to(value.dtype)
         else:
             value = value * (self._replica_id * 0 + 1).to(value.dtype)
-        return self._backend._spmd_sum(value)
+        return self._backend._spmd_sum(value, self._groups)
 
     def all_gather(self, values: Sequence[Any], axis: int) -> list[Any]:
         n = self._backend.num_devices
@@ -423,6 +497,21 @@ class _SpmdChannel:
         )
 
 
+# torch-xla's device_kind -> the generation names of polydist.tpu's slices.
+_GENERATIONS = {"TPU v2": "v2", "TPU v3": "v3", "TPU v4": "v4", "TPU v5 lite": "v5e"}
+
+
+class _Core:
+    """A TPU core as `LocalTPUSystem.from_devices` reads it."""
+
+    platform = "tpu"
+
+    def __init__(self, id: int, coords: tuple[int, ...], core_on_chip: int) -> None:
+        self.id = id
+        self.coords = coords
+        self.core_on_chip = core_on_chip
+
+
 def _check_summable(values: Sequence[Any]) -> None:
     for v in values:
         if getattr(v, "dtype", None) in (torch.bool, np.bool_):
@@ -437,16 +526,16 @@ class _OpenReplicated(torch.autograd.Function):
     own (as with a variable read on every replica in TF): the identity."""
 
     @staticmethod
-    def forward(ctx: Any, backend: XlaSpmdBackend, tensor: torch.Tensor) -> torch.Tensor:
-        return backend._open_replicated_tensor(tensor)
+    def forward(ctx: Any, backend: XlaSpmdBackend, mesh: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return backend._open_replicated_tensor(mesh, tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, grad
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        return None, None, grad
 
 
-def _open_replicated(backend: XlaSpmdBackend, tensor: torch.Tensor) -> torch.Tensor:
-    result: torch.Tensor = _OpenReplicated.apply(backend, tensor)  # type: ignore[no-untyped-call]
+def _open_replicated(backend: XlaSpmdBackend, mesh: Any, tensor: torch.Tensor) -> torch.Tensor:
+    result: torch.Tensor = _OpenReplicated.apply(backend, mesh, tensor)  # type: ignore[no-untyped-call]
     return result
 
 

@@ -32,6 +32,7 @@ from polydist._cross_device_ops import CrossDeviceOps as CrossDeviceOps
 from polydist._cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
 from polydist._cross_device_ops import NcclAllReduce as NcclAllReduce
 from polydist._cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
+from polydist._indexed_slices import IndexedSlices as IndexedSlices
 from polydist._input_lib import DistributedDataset as DistributedDataset
 from polydist._input_lib import DistributedIterator as DistributedIterator
 from polydist._input_lib import PartialBatchWarning as PartialBatchWarning
@@ -67,6 +68,7 @@ __all__ = [
     "DistributedIterator",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
+    "IndexedSlices",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",

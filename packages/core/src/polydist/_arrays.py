@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["convert_to_array", "describe", "dtype_name", "is_array", "mean_from_sum"]
+__all__ = [
+    "check_summable",
+    "convert_to_array",
+    "describe",
+    "dtype_name",
+    "is_array",
+    "mean_from_sum",
+]
 
 _INT32 = np.iinfo(np.int32)
 
@@ -75,6 +83,25 @@ def mean_from_sum(xp: Any, total: Any, count: int) -> Any:
     # asarray only to turn NumPy's 0-d result (a scalar) back into an array: on
     # a torch tensor that tracks gradients it would warn (torch >= 2.13).
     return mean if is_array(mean) else xp.asarray(mean)
+
+
+def check_summable(reduce_op: Any, values: Sequence[Any]) -> None:
+    """Refuses to SUM or MEAN bool arrays across replicas, as TF's ``add_n`` does.
+
+    MEAN is a SUM divided by the count, so it is refused too. Core calls this
+    before it hands values to a backend's collectives, so every backend refuses
+    alike (torch would OR the flags, JAX's ``psum`` would count them).
+    """
+    for value in values:
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and dtype_name(dtype) == "bool":
+            op = getattr(reduce_op, "value", reduce_op)
+            raise TypeError(
+                f"cannot SUM bool replica values: got {describe(value)} for ReduceOp.{op} "
+                "(TF's add_n does not support bool, and MEAN sums first). Cast to an integer "
+                "dtype first (x.astype('int32'), or x.to(torch.int32) on torch): its SUM "
+                "counts the True values and its MEAN is float64."
+            )
 
 
 def dtype_name(dtype: Any) -> str:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from polydist._reduce_op import ReduceOp
     from polydist._strategy import StrategyExtended
+    from polydist.tpu import LocalTPUSystem
 
 __all__ = [
     "Backend",
@@ -42,6 +43,7 @@ __all__ = [
     "ReplicaChannel",
     "available_backends",
     "get_backend",
+    "local_tpu_system",
 ]
 
 ENTRY_POINT_GROUP = "polydist.backends"
@@ -142,6 +144,11 @@ class Backend(Protocol):
     collectives take one value per replica (in replica order) and return the
     result placed on each destination device; ``all_reduce`` and
     ``reduce_to`` compute the SUM (core derives MEAN).
+
+    Optional: ``local_tpu_system() -> polydist.tpu.LocalTPUSystem`` describes the
+    TPU cores this backend runs ``TPUStrategy`` on (a backend on real devices;
+    see `local_tpu_system`). The backend must then accept
+    ``/job:localhost/replica:0/task:0/device:TPU:k`` as core ``k``.
     """
 
     name: str
@@ -269,6 +276,24 @@ def get_backend(backend: str | Backend | None = None) -> Backend:
             )
         _instances[name] = instance
         return instance
+
+
+def local_tpu_system(backend: Backend) -> LocalTPUSystem | None:
+    """The TPU cores ``backend`` runs ``TPUStrategy`` on, from its optional
+    ``local_tpu_system()`` method; ``None`` if it has none (the sim: its TPUs are
+    simulated slices)."""
+    from polydist.tpu import LocalTPUSystem
+
+    method = getattr(backend, "local_tpu_system", None)
+    if method is None:
+        return None
+    system = method()
+    if system is not None and not isinstance(system, LocalTPUSystem):
+        raise TypeError(
+            f"Backend {backend.name!r}: local_tpu_system() must return a "
+            f"polydist.tpu.LocalTPUSystem or None; got {type(system).__name__}."
+        )
+    return system
 
 
 def _reset_registry_for_tests() -> None:

@@ -195,6 +195,25 @@ class InReplicaContext:
         self._context_class = context_class
         self._wrap_channel = wrap_channel
 
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The replica function (``inspect.unwrap`` finds it, e.g. to read its closure)."""
+        return self._fn
+
+    # Equal wrappers of the same function: a backend that caches compiled programs by
+    # replica function (jax) reuses them across runs of the strategy.
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, InReplicaContext) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self._fn, self._context_class, self._wrap_channel)
+
+    def __repr__(self) -> str:
+        return f"{self._context_class.__name__}({self._fn!r})"
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         outer = _context.get_replica_context()
         assert outer is not None, "InReplicaContext must run as a replica function"

@@ -38,8 +38,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from polydist import _context
-from polydist._arrays import convert_to_array, describe, is_array, mean_from_sum
+from polydist import _context, _indexed_slices
+from polydist._arrays import check_summable, convert_to_array, describe, is_array, mean_from_sum
 from polydist._backend import Backend
 from polydist._devices import HOST_DEVICE, canonicalize
 from polydist._reduce_op import ReduceOp, as_reduce_op
@@ -253,6 +253,8 @@ def simple_broadcast(backend: Backend, value: Any, destinations: Any) -> Any:
     """Copies ``value`` to the devices of ``destinations``: one array for one device,
     else a ``Mirrored`` (TF's ``simple_broadcast``)."""
     devices = _devices_of(destinations)
+    if isinstance(value, _indexed_slices.IndexedSlices):
+        return regroup(_indexed_slices.broadcast(backend, value, devices), Mirrored)
     array = convert_to_array(_read_operand(value))
     copies = backend.broadcast(array, devices)
     return regroup(copies, Mirrored)
@@ -393,7 +395,8 @@ class ReductionToOneDevice(CrossDeviceOps):
         backend = backend_with_order(_current_backend(), "sequential")
         if self.accumulation_fn is not None:
             total = self.accumulation_fn(arrays)
-        else:
+        else:  # add_n; a user's accumulation_fn decides for itself what it accepts
+            check_summable(reduce_op, arrays)
             placed = [backend.place(a, _device_of(v)) for a, v in zip(arrays, value.values)]
             total = backend.reduce_to(placed, canonicalize(device))
         if reduce_op is ReduceOp.MEAN:
@@ -442,6 +445,7 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
 
     def _all_reduce(self, reduce_op: ReduceOp, value: DistributedValues, destinations: Any) -> Any:
         arrays = _arrays(value)
+        check_summable(reduce_op, arrays)
         backend = backend_with_order(_current_backend(), self._all_reduce_order)
         placed = [backend.place(a, _device_of(v)) for a, v in zip(arrays, value.values)]
         sums = backend.all_reduce(placed, _devices_of(destinations))

@@ -17,7 +17,10 @@ Each replica runs on its own stack, in one of two ways:
 * ``"thread"``: pooled daemon threads, for engines whose per-thread state
   must not be switched in the middle of a call (for example an autograd
   engine that runs a replica's backward pass). Each wait has a timeout;
-  idle threads exit after ``$POLYDIST_IDLE_THREAD_SECONDS`` (2 s).
+  idle threads exit after ``$POLYDIST_IDLE_THREAD_SECONDS`` (2 s). A lone
+  replica runs on the calling thread instead, each of its collectives
+  performed as it reaches it: with nobody to wait for, there is nothing to
+  switch between.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import numpy as np
 
 from polydist import _context, _trace
 from polydist._arrays import dtype_name
+from polydist._collective_check import collective_intent
 from polydist._reduce_op import ReduceOp
 from polydist._values import regroup, select_replica
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
@@ -120,7 +124,7 @@ class _Slot:
         try:
             if self.abort:
                 raise _Abort()
-            self.result = self.run.call_replica(self.index)
+            self.result = self.run.call_replica(self)
             self.status = _DONE
         except _Abort:
             self.status = _ABORTED
@@ -174,12 +178,15 @@ _GREENLETS = _GreenletPool()
 _MAX_IDLE_GREENLETS = 1024
 
 
-def _greenlet_loop(task: Callable[[], None]) -> None:
+def _greenlet_loop() -> None:
+    # Tasks come through switch(), not as the greenlet's argument: greenlet holds its
+    # arguments until the greenlet ends, and a task holds its run's values.
     while True:
-        task()
         parent = greenlet.getcurrent().parent
         assert parent is not None
-        task = parent.switch()  # finished: wait idle in the pool for the next task
+        task = parent.switch()  # wait idle in the pool for the next task
+        task()
+        del task  # the finished replica and what it returned belong to the caller now
 
 
 class _GreenletSlot(_Slot):
@@ -197,7 +204,11 @@ class _GreenletSlot(_Slot):
         g = self._greenlet
         if g is None:
             idle = _GREENLETS.idle
-            g = idle.pop() if idle else greenlet.greenlet(_greenlet_loop)
+            if idle:
+                g = idle.pop()
+            else:
+                g = greenlet.greenlet(_greenlet_loop)
+                g.switch()  # to its first wait for a task
             g.parent = greenlet.getcurrent()
             self._greenlet = g
             g.switch(self._body)
@@ -213,13 +224,6 @@ class _ThreadSlot(_Slot):
     def __init__(self, run: _Run, index: int) -> None:
         super().__init__(run, index)
         self._worker: _Worker | None = None
-
-    def _body(self) -> None:
-        try:
-            super()._body()
-        finally:
-            assert self._worker is not None
-            self._worker.done.release()
 
     def _pause(self) -> None:
         worker = self._worker
@@ -242,6 +246,23 @@ class _ThreadSlot(_Slot):
                 "replicas would wait forever. Check for a blocking call or an endless loop in "
                 f"the replica function, or raise ${TIMEOUT_ENV}."
             )
+
+
+class _InlineSlot(_Slot):
+    """The only replica of a thread-mode run: it runs on the calling thread, and each
+    collective is performed as soon as it reaches it (there is no other replica to wait
+    for). Two thread handoffs per collective cost more than a small collective itself."""
+
+    def sync(self, request: _SyncRequest) -> Any:
+        if self.abort:
+            raise _Abort()
+        return self.run._resolve([request])[0]
+
+    def _pause(self) -> None:
+        raise AssertionError("an inline replica never pauses")
+
+    def _resume(self) -> None:
+        self._body()
 
 
 # -- the worker pool (thread mode) ------------------------------------------------------
@@ -279,7 +300,9 @@ class _Worker:
             task, self.task = self.task, None
             if task is None:
                 return
-            task()
+            task()  # a slot's _body, which catches everything
+            del task  # the finished replica and what it returned belong to the caller now
+            self.done.release()
             self.pool.give_back(self)
 
 
@@ -392,15 +415,18 @@ class _Run:
         self.fn = fn
         self.args = per_replica_args
         self.timeout = timeout
-        slot_class = _GreenletSlot if mode == "greenlet" else _ThreadSlot
+        slot_class: type[_Slot] = _GreenletSlot if mode == "greenlet" else _ThreadSlot
+        if mode == "thread" and len(per_replica_args) == 1:  # EagerReplicaRunner.runs_inline
+            slot_class = _InlineSlot
         self.slots: list[_Slot] = [slot_class(self, r) for r in range(len(per_replica_args))]
 
-    def call_replica(self, index: int) -> Any:
+    def call_replica(self, slot: _Slot) -> Any:
         from polydist._replica_context import ReplicaContext
 
+        index = slot.index
         device = self.devices[index]
         replica_id = self.backend.place(np.asarray(index, dtype=np.int32), device)
-        channel: ReplicaChannel = _EagerChannel(self.slots[index])
+        channel: ReplicaChannel = _EagerChannel(slot)
         if self.wrap_channel is not None:
             channel = self.wrap_channel(channel, index)
         ctx = ReplicaContext(self.strategy, replica_id, channel=channel, replica_index=index)
@@ -431,6 +457,10 @@ class _Run:
         finally:
             for slot in self.slots:
                 slot.stop()
+                slot.result = None
+            # Slots and run refer to each other: without this, the run's arguments and
+            # results would live until the garbage collector's next pass.
+            self.slots = []
 
     def _mismatch(self, states: dict[int, str]) -> CollectiveMismatchError:
         lines = [
@@ -459,13 +489,17 @@ class _Run:
         tracing = _trace.is_tracing()
         # Wall time only where it means something (not on the simulator).
         timed = tracing and backend.capabilities.measured_timing
+        # Engines that check collectives across processes publish the op and call site.
+        reduce_op = first.signature[0] if first.kind == "all_reduce" else None
+        intent = collective_intent(reduce_op, lambda: first.source)
         for i in range(len(first.payload)):
             values = [leaves[i] for leaves in placed]
             start = time.perf_counter() if timed else 0.0
-            if first.kind == "all_reduce":
-                reduced = backend.all_reduce(values, devices)
-            else:
-                reduced = backend.all_gather(values, first.signature[0], devices)
+            with intent:
+                if first.kind == "all_reduce":
+                    reduced = backend.all_reduce(values, devices)
+                else:
+                    reduced = backend.all_gather(values, first.signature[0], devices)
             duration = time.perf_counter() - start if timed else None
             for r, out in enumerate(outputs):
                 out.append(reduced[r])
@@ -546,6 +580,11 @@ class EagerReplicaRunner:
     @property
     def mode(self) -> Mode:
         return self._mode
+
+    def runs_inline(self, replicas: int) -> bool:
+        """Whether a run of ``replicas`` replicas runs on the calling thread: in thread
+        mode, a lone replica does (it has nobody to wait for at its collectives)."""
+        return self._mode == "thread" and replicas == 1
 
     def run(
         self,

@@ -101,7 +101,6 @@ _TRANSFORMATIONS: Final = frozenset(
         "as_numpy_iterator",
         "batch",
         "cache",
-        "cardinality",
         "concatenate",
         "enumerate",
         "filter",
@@ -289,6 +288,27 @@ def _layout(strategy: Strategy) -> _Layout:
     return _Layout(num_workers, worker_index, per_worker, here, devices, backend, always_wrap)
 
 
+_Placer = Callable[[Sequence[Any], Sequence[str]], list[Any]]
+
+
+def _per_replica_placer(backend: Backend) -> _Placer:
+    """How a step's components of one leaf reach the replicas' devices.
+
+    The backend's optional ``place_per_replica(values, devices)`` takes them all at
+    once and returns what ``place`` would give for each (e.g. the jax backend makes
+    one array sharded over its replica mesh); without it, each goes through ``place``.
+    """
+    hook: _Placer | None = getattr(backend, "place_per_replica", None)
+    if hook is not None:
+        return hook
+    place = backend.place
+
+    def place_each(values: Sequence[Any], devices: Sequence[str]) -> list[Any]:
+        return [place(v, d) for v, d in zip(values, devices)]
+
+    return place_each
+
+
 def _host_of(device: str) -> str:
     """The CPU of the machine ``device`` is on (where an input pipeline runs)."""
     spec = DeviceSpec.parse(device)
@@ -370,6 +390,7 @@ class DistributedDataset:
         options: InputOptions | None,
         spec_source: Callable[[], Nest],
         infinite: bool,
+        cardinality: int,
     ) -> None:
         # Built only by this module's functions; the arguments are internal.
         self._strategy = strategy
@@ -381,6 +402,7 @@ class DistributedDataset:
         self._options = options
         self._spec_source = spec_source
         self._infinite = infinite
+        self._cardinality = cardinality
         self._spec_cache: Any = _END
         self._buffer_size = 1 if options is None else options.experimental_per_replica_buffer_size
 
@@ -400,6 +422,29 @@ class DistributedDataset:
         if self._spec_cache is _END:
             self._spec_cache = self._compute_element_spec()
         return self._spec_cache
+
+    @property
+    def cardinality(self) -> int:
+        """The cardinality of the input, as TF's ``DistributedDataset.cardinality``.
+
+        From ``experimental_distribute_dataset``: the cardinality of the dataset
+        of global batches it was given. Each global batch is one step, a short
+        last batch too (some replicas then get short or empty batches;
+        ``batch(..., drop_remainder=True)`` drops it), so this is the number of
+        steps; also with several workers sharded by DATA (what AUTO falls back
+        to), where each step is every worker's slices of one global batch. With
+        ``AutoShardPolicy.OFF`` each of W workers reads the whole input, in
+        about W times as many steps, and this still counts the input's batches
+        (TF). From ``distribute_datasets_from_function``: the cardinality of
+        this worker's pipeline (replica 0's with ``PER_REPLICA``), i.e. its
+        number of per-replica batches, which the worker's R_w replicas take
+        round-robin in ``ceil(n / R_w)`` steps.
+
+        ``polydist.data.INFINITE_CARDINALITY`` (-1) for an endless input,
+        ``polydist.data.UNKNOWN_CARDINALITY`` (-2) when it is not known without
+        reading the data (``filter``, generators, plain Python iterables, files).
+        """
+        return self._cardinality
 
     def _compute_element_spec(self) -> Any:
         spec = self._spec_source()
@@ -439,7 +484,7 @@ class DistributedDataset:
         # its replica r getting legacy_rebatch_slices' slice r of every
         # component; no replica ever lacks a batch, so no dummies are needed. It
         # gives what the general path gives, without building a nest per replica.
-        place, devices = self._layout.backend.place, self._devices
+        place_all, devices = _per_replica_placer(self._layout.backend), self._devices
         n = len(devices)
         cache: dict[int, list[tuple[int, int]]] = {}
         for element in source:
@@ -459,9 +504,7 @@ class DistributedDataset:
                     if len(cache) > 64:  # batch sizes vary a lot: keep the cache small
                         cache.clear()
                     slices = cache[size] = legacy_rebatch_slices(size, n)
-                columns.append(
-                    PerReplica([place(leaf[a:b], d) for (a, b), d in zip(slices, devices)])
-                )
+                columns.append(PerReplica(place_all([leaf[a:b] for a, b in slices], devices)))
                 if size < n or size % n:
                     empty.update(r for r, (a, b) in enumerate(slices) if a == b)
             yield optree.tree_unflatten(tree, columns), tuple(sorted(empty))
@@ -484,11 +527,12 @@ class DistributedDataset:
                 if leaf.ndim and not leaf.shape[0]:
                     empty.append(r)
                     break
-        place, devices = self._layout.backend.place, self._devices
+        backend, devices = self._layout.backend, self._devices
         if not self._layout.always_wrap:
-            return optree.tree_unflatten(tree0, [place(x, devices[0]) for x in leaves0]), ()
+            return optree.tree_unflatten(tree0, [backend.place(x, devices[0]) for x in leaves0]), ()
+        place_all = _per_replica_placer(backend)
         columns = [
-            PerReplica([place(leaves[i], device) for (leaves, _), device in zip(flat, devices)])
+            PerReplica(place_all([leaves[i] for leaves, _ in flat], devices))
             for i in range(len(leaves0))
         ]
         return optree.tree_unflatten(tree0, columns), tuple(empty)
@@ -795,6 +839,7 @@ def distribute_dataset(
     if not pipelines:
         pipelines.append(source)
     devices = _value_devices(layout, options)
+    cardinality = source.cardinality()  # TF: the cardinality of the dataset given
     return DistributedDataset(
         strategy,
         layout,
@@ -804,7 +849,8 @@ def distribute_dataset(
         devices,
         options,
         lambda: own.element_spec,
-        source.cardinality() == INFINITE_CARDINALITY,
+        cardinality == INFINITE_CARDINALITY,
+        cardinality,
     )
 
 
@@ -863,6 +909,7 @@ def distribute_datasets_from_function(
         options,
         lambda: own.element_spec,
         infinite,
+        own.cardinality(),  # TF: its first (this worker's) dataset's
     )
 
 

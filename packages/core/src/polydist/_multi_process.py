@@ -33,7 +33,9 @@ cluster and every cross-process collective; ``None`` means
 `DEFAULT_TIMEOUT_SECONDS` (60 s), 0 disables the bound (`NO_TIMEOUT_SECONDS`).
 A backend turns its engine's failures into ``DeadlineExceededError`` (a peer
 did not arrive in time) or ``UnavailableError`` (a peer's process is gone),
-naming the worker.
+naming the worker. Before each cross-process collective it also checks that
+every worker is about to run the same one (`polydist._collective_check`), or
+raises ``CollectiveMismatchError`` on all of them.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ from typing import Any, Protocol, cast, runtime_checkable
 import numpy as np
 
 from polydist import _trace, _variables
-from polydist._arrays import convert_to_array, mean_from_sum
+from polydist._arrays import check_summable, convert_to_array, mean_from_sum
 from polydist._backend import Backend
 from polydist._cluster import InReplicaContext
+from polydist._collective_check import collective_intent
 from polydist._communication import CommunicationOptions
 from polydist._devices import HOST_DEVICE
 from polydist._multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
@@ -206,8 +209,11 @@ class _WorkerReplicaContext(ReplicaContext):
         channel: Any = None,
         replica_index: int | None = None,
     ) -> None:
+        if replica_index is None:
+            # A compiled run's replica (one program for all): its id is already the global one.
+            super().__init__(strategy, replica_id_in_sync_group, channel=channel)
+            return
         extended = cast("MultiProcessExtended", strategy.extended)
-        assert replica_index is not None
         global_id = extended._replica_offset + replica_index
         device = extended.worker_devices[replica_index]
         replica_id = extended._backend.place(np.asarray(global_id, dtype=np.int32), device)
@@ -282,18 +288,21 @@ class MultiProcessExtended(MultiWorkerExtended):
                 "returned (or experimental_distribute_values_from_function's)."
             )
         _check_same_shape(components, "reduce")
+        check_summable(reduce_op, components)
         backend = self._backend
         placed = self._place_components(components)
         n = self._num_replicas_in_sync
         if isinstance(destinations, DistributedValues):
             dests = tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
-            sums = backend.all_reduce(placed, dests)
+            with collective_intent(reduce_op.value):
+                sums = backend.all_reduce(placed, dests)
             self._record("all_reduce", reduce_op, components[0])
             if reduce_op is ReduceOp.MEAN:
                 xp = backend.array_namespace()
                 sums = [mean_from_sum(xp, s, n) for s in sums]
             return Mirrored(sums)
-        total = backend.reduce_to(placed, _destination(destinations))
+        with collective_intent(reduce_op.value):
+            total = backend.reduce_to(placed, _destination(destinations))
         self._record("reduce_to", reduce_op, components[0])
         if reduce_op is ReduceOp.MEAN:
             total = mean_from_sum(backend.array_namespace(), total, n)
@@ -301,7 +310,10 @@ class MultiProcessExtended(MultiWorkerExtended):
 
     def _reduce_host_value(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
         # As TF (and the sim): every worker contributes its copy once: SUM is W * value.
-        total = self._sum_over_workers(convert_to_array(value))
+        array = convert_to_array(value)
+        check_summable(reduce_op, [array])
+        with collective_intent(reduce_op.value):
+            total = self._sum_over_workers(array)
         if reduce_op is ReduceOp.MEAN:
             total = mean_from_sum(self._backend.array_namespace(), total, self._num_workers)
         return self._to_destinations(total, destinations)
@@ -401,15 +413,18 @@ class MultiProcessMirroredStrategy(MultiWorkerMirroredStrategy):
         else:
             # Each worker's replicas each hold the value (TF runs the local reduction per replica).
             components = [convert_to_array(value)] * extended._num_devices_per_worker
+        check_summable(reduce_op, components)  # the local reduce_sum is a SUM too
         components = extended._place_components(components)  # NumPy inputs: backend arrays
         xp = extended._backend.array_namespace()
         axes = _normalize_axis(axis, components[0])
         sums = PerReplica([xp.sum(c, axis=axes, dtype=c.dtype) for c in components])
-        numer = extended._reduce_to(ReduceOp.SUM, sums, _current_device())
+        with collective_intent(reduce_op.value):
+            numer = extended._reduce_to(ReduceOp.SUM, sums, _current_device())
         if reduce_op is ReduceOp.SUM:
             return numer
         local = sum(int(np.prod([c.shape[a] for a in axes], dtype=np.int64)) for c in components)
-        counted = extended._sum_over_workers(np.asarray(local, dtype=np.int64))
+        with collective_intent(reduce_op.value):
+            counted = extended._sum_over_workers(np.asarray(local, dtype=np.int64))
         denom = int(extended._backend.to_numpy(counted))
         numer = xp.asarray(numer)
         with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
@@ -449,6 +464,8 @@ class HeartbeatStore(Protocol):
         """The value, or ``None`` if the key is not set."""
         ...
 
+    def delete(self, key: str) -> None: ...
+
 
 class Heartbeat:
     """A daemon thread that writes ``"<beat> <collectives>"`` under ``hb/<worker>`` every
@@ -476,6 +493,8 @@ class Heartbeat:
         self._store_error: BaseException | None = None
         # worker -> (its last entry (beat, collectives), when it last changed)
         self._seen: dict[int, tuple[tuple[int, int], float]] = {}
+        self._started = self._watched = time.monotonic()  # _watched: the last look
+        self._chores: list[Callable[[HeartbeatStore], None]] = []
         self._thread = threading.Thread(
             target=self._loop, name=f"polydist-heartbeat-{rank}", daemon=True
         )
@@ -492,6 +511,8 @@ class Heartbeat:
                 beat += 1
                 store.set(f"hb/{self._rank}", f"{beat} {count}")
                 self._watch(store)
+                for chore in list(self._chores):
+                    chore(store)
                 self._stop.wait(HEARTBEAT_SECONDS)
         except Exception as e:  # the store (worker 0) is gone, or the process is exiting
             with self._lock:
@@ -508,6 +529,29 @@ class Heartbeat:
                 previous = self._seen.get(r)
                 if previous is None or previous[0] != (beat, count):
                     self._seen[r] = ((beat, count), now)
+        with self._lock:
+            self._watched = now
+
+    def add_chore(self, chore: Callable[[HeartbeatStore], None]) -> None:
+        """Runs ``chore(store)`` after each beat, on the heartbeat's thread and store
+        connection (it must be quick: a late beat looks like a dead worker)."""
+        self._chores.append(chore)
+
+    def silent(self, seconds: float = 2 * _SILENCE_SECONDS) -> list[int]:
+        """The workers whose heartbeat this thread has seen unchanged for ``seconds`` (dead,
+        hung or cut off); ``[0]`` when the store (worker 0's) is unreachable. Does not wait.
+        Measured against this thread's own last look, so a starved thread names nobody."""
+        with self._lock:
+            if self._store_error is not None:
+                return [0] if self._rank != 0 else []
+            now = self._watched
+            if now - self._started < seconds:
+                return []
+            return [
+                r
+                for r in self._others
+                if (seen := self._seen.get(r)) is None or now - seen[1] > seconds
+            ]
 
     def diagnose(self, collectives: int) -> tuple[list[int], list[int]]:
         """(dead, behind) after a failed collective, this worker's number ``collectives``.

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from polydist import _nest, _trace
-from polydist._arrays import convert_to_array, dtype_name, mean_from_sum
+from polydist._arrays import check_summable, convert_to_array, dtype_name, mean_from_sum
 from polydist._backend import Backend, get_backend
 from polydist._cluster import (
     InReplicaContext,
@@ -288,6 +288,7 @@ class MultiWorkerExtended(MirroredExtended):
                 "not provide yet. Reduce a distributed value (the output of strategy.run)."
             )
         array = convert_to_array(value)
+        check_summable(reduce_op, [array])
         backend = self._backend
         hosts = [
             f"/job:{job}/replica:0/task:{t}/device:CPU:0"

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from polydist import _context, _nest
-from polydist._arrays import convert_to_array, is_array, mean_from_sum
+from polydist._arrays import check_summable, convert_to_array, is_array, mean_from_sum
 from polydist._backend import ReplicaChannel
 from polydist._reduce_op import ReduceOp, as_reduce_op
 from polydist.errors import InvalidArgumentError
@@ -112,6 +112,7 @@ class ReplicaContext:
         single = is_array(value)  # the common case skips flattening
         flat, spec = ([value], None) if single else _nest.flatten(value)
         arrays = [convert_to_array(x) for x in flat]
+        check_summable(reduce_op, arrays)
         summed = self._channel.all_reduce(reduce_op, arrays)
         n = self.num_replicas_in_sync
         if reduce_op is ReduceOp.MEAN and n > 1:

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from polydist import _context, _cross_device_ops, _nest, _trace, _variables
-from polydist._arrays import convert_to_array, describe, mean_from_sum
+from polydist import _context, _cross_device_ops, _indexed_slices, _nest, _trace, _variables
+from polydist._arrays import check_summable, convert_to_array, describe, mean_from_sum
 from polydist._backend import Backend, get_backend
 from polydist._devices import HOST_DEVICE, canonicalize
 from polydist._extended_mixin import ExtendedVariablesMixin
+from polydist._indexed_slices import IndexedSlices
 from polydist._reduce_op import ReduceOp, as_reduce_op
 from polydist._replica_context import ReplicaContext, _check_gather_axis
 from polydist._values import (
@@ -182,6 +183,8 @@ class StrategyExtended(ExtendedVariablesMixin):
             )
         if not isinstance(value, DistributedValues):
             return self._reduce_non_distributed(reduce_op, value, destinations)
+        if any(isinstance(v, IndexedSlices) for v in value.values):
+            return self._reduce_indexed_slices(reduce_op, value.values, destinations)
         components = [convert_to_array(v) for v in value.values]
         _check_same_shape(components, "reduce")
         if len(components) == 1:
@@ -192,6 +195,7 @@ class StrategyExtended(ExtendedVariablesMixin):
             return _cross_device_ops.strategy_reduce(
                 self, reduce_op, PerReplica(components), destinations
             )
+        check_summable(reduce_op, components)
         backend = self._backend
         if isinstance(destinations, DistributedValues):
             dests = tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
@@ -209,17 +213,47 @@ class StrategyExtended(ExtendedVariablesMixin):
         return total
 
     def _place_components(self, components: Sequence[Any]) -> list[Any]:
-        devices = self._devices
-        if len(devices) != len(components):
-            devices = tuple(HOST_DEVICE for _ in components)
-        return [self._backend.place(c, d) for c, d in zip(components, devices)]
+        return [self._backend.place(c, d) for c, d in zip(components, self._devices_of(components))]
+
+    def _devices_of(self, components: Sequence[Any]) -> tuple[str, ...]:
+        """Where each component of a distributed value lives: its replica's device."""
+        if len(self._devices) != len(components):
+            return tuple(HOST_DEVICE for _ in components)
+        return self._devices
+
+    def _reduce_indexed_slices(
+        self, reduce_op: ReduceOp, components: Sequence[Any], destinations: Any
+    ) -> Any:
+        # TF concatenates the replicas' rows (and divides them for MEAN): a gather, so
+        # no cross-device algorithm and no bool rule apply.
+        if not all(isinstance(c, IndexedSlices) for c in components):
+            kinds = ", ".join(type(c).__name__ for c in components)
+            raise TypeError(
+                f"Cannot reduce a mix of IndexedSlices and other values across replicas (the "
+                f"replicas gave {kinds}). Every replica must pass an IndexedSlices."
+            )
+        if len(components) == 1:
+            return self._to_destinations(components[0], destinations)
+        dests = (
+            tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
+            if isinstance(destinations, DistributedValues)
+            else (_destination(destinations),)
+        )
+        reduced = _indexed_slices.reduce(
+            self._backend, reduce_op, components, self._devices_of(components), dests
+        )
+        self._record("all_gather", None, components[0].values)
+        self._record("all_gather", None, components[0].indices)
+        return Mirrored(reduced) if isinstance(destinations, DistributedValues) else reduced[0]
 
     def _reduce_non_distributed(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
         # TF's cross_device_ops.reduce_non_distributed_value.
         if not _is_arraylike(value) and _equals_zero(value):
             return 0
         if reduce_op is ReduceOp.MEAN or self._num_replicas_in_sync == 1:
-            return self._to_destinations(convert_to_array(value), destinations)
+            if not isinstance(value, IndexedSlices):
+                value = convert_to_array(value)
+            return self._to_destinations(value, destinations)
         raise ValueError(
             f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op "
             f"{reduce_op}: with {self._num_replicas_in_sync} replicas, summing one value that is "
@@ -230,6 +264,9 @@ class StrategyExtended(ExtendedVariablesMixin):
     def _to_destinations(self, value: Any, destinations: Any) -> Any:
         if isinstance(destinations, DistributedValues):
             dests = tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
+            if isinstance(value, IndexedSlices):
+                self._record("broadcast", None, value.values)
+                return Mirrored(_indexed_slices.broadcast(self._backend, value, dests))
             array = convert_to_array(value)
             copies = self._backend.broadcast(array, dests)
             self._record("broadcast", None, array)  # a collective too: the trace must show it
@@ -387,6 +424,7 @@ class Strategy:
         else:
             # TF runs the local reduction on every replica: a plain value counts once each.
             components = [convert_to_array(value)] * self.num_replicas_in_sync
+        check_summable(reduce_op, components)  # the local reduce_sum is a SUM too
         xp = self._extended._backend.array_namespace()
         axes = _normalize_axis(axis, components[0])
         # dtype=: NumPy and torch widen int32 sums to int64; TF's reduce_sum keeps int32.

@@ -1,11 +1,17 @@
-"""``TPUStrategy`` (TF 2's ``TPUStrategyV2``) on simulated TPU slices.
+"""``TPUStrategy`` (TF 2's ``TPUStrategyV2``) on simulated TPU slices and real backends.
 
 The slice comes from a `polydist.cluster_resolver.TPUClusterResolver`
 (``TPUClusterResolver(tpu="v3-8")``, ``"v4-32"``, ... or ``"local"``). One
 replica runs per TPU device, in the order of the device assignment: without
 one, host by host and device by device; with
 ``experimental_device_assignment=DeviceAssignment.build(...)``, replica ``r``
-runs on ``device_assignment.tpu_device(r, logical_core=0)``.
+runs on ``device_assignment.tpu_device(r, logical_core=0)``, the core at
+physical coordinates ``core_assignment[r][0]``.
+
+On a backend with real devices (one with ``local_tpu_system()``: JAX,
+torch-xla) the slice is ``TPUClusterResolver("local")``: the backend's own TPU
+cores, or where it has none, its devices standing in for them
+(`polydist.tpu.LocalTPUSystem`). Named slices run on the sim only.
 
 TPUStrategy is a single-client strategy: this process drives every host of
 the slice, so ``experimental_local_results`` has all replicas. On the sim the
@@ -38,7 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from polydist._backend import Backend, ReplicaChannel, get_backend
+from polydist._backend import Backend, ReplicaChannel, get_backend, local_tpu_system
 from polydist._cluster import InReplicaContext, connect_cluster
 from polydist._devices import DeviceSpec, canonicalize
 from polydist._reduce_op import ReduceOp
@@ -46,7 +52,7 @@ from polydist._replica_context import ReplicaContext
 from polydist._strategy import Strategy, StrategyExtended
 from polydist.cluster_resolver import TPUClusterResolver
 from polydist.errors import InvalidArgumentError
-from polydist.tpu import DeviceAssignment
+from polydist.tpu import DeviceAssignment, LocalTPUSystem, Topology
 
 __all__ = [
     "LogicalDeviceAnnotation",
@@ -153,12 +159,36 @@ class _AnnotationTable:
         return _AnnotationTable()  # annotations belong to the original's arrays
 
 
-def _default_resolver() -> TPUClusterResolver:
+def _default_resolver(backend: Backend) -> TPUClusterResolver:
     # TF's TPUClusterResolver("") reads TPU_NAME & co.; with none set we simulate
-    # the TPU "attached to this machine" ($POLYDIST_LOCAL_TPU, default v3-8).
-    if any(os.environ.get(v) for v in _TPU_NAME_ENV_VARS):
+    # the TPU "attached to this machine" ($POLYDIST_LOCAL_TPU, default v3-8). A
+    # backend on real devices has only its local TPU.
+    if local_tpu_system(backend) is None and any(os.environ.get(v) for v in _TPU_NAME_ENV_VARS):
         return TPUClusterResolver()
     return TPUClusterResolver("local")
+
+
+def _check_topology(da: DeviceAssignment, system: LocalTPUSystem, backend: Backend) -> None:
+    """The assignment's coordinates mean this system's cores only if it was built from
+    this system's topology."""
+    topology = system.topology()
+    if not (
+        np.array_equal(da.topology.mesh_shape, topology.mesh_shape)
+        and np.array_equal(da.topology.device_coordinates, topology.device_coordinates)
+    ):
+        raise ValueError(
+            f"The device assignment was built for {_topology_text(da.topology)}, but backend "
+            f"{backend.name!r} runs TPUStrategy on {_topology_text(topology)}. Build it from "
+            f"this TPU's topology: TPUClusterResolver('local', backend={backend.name!r})"
+            ".get_tpu_system_metadata().topology."
+        )
+
+
+def _topology_text(topology: Topology) -> str:
+    return (
+        f"a TPU mesh of shape {topology.mesh_shape.tolist()} with "
+        f"{topology.num_tasks * topology.num_tpus_per_task} devices"
+    )
 
 
 class TPUExtended(StrategyExtended):
@@ -180,7 +210,16 @@ class TPUExtended(StrategyExtended):
         *,
         backend: str | Backend | None = None,
     ) -> None:
-        resolver = _default_resolver() if tpu_cluster_resolver is None else tpu_cluster_resolver
+        resolved = get_backend(backend)
+        if not resolved.capabilities.has("tpu"):
+            raise ValueError(
+                f"TPUStrategy needs a backend that declares Capabilities.tpu; backend "
+                f"{resolved.name!r} does not. Simulated TPU slices run on the simulator: "
+                "pass backend='sim'."
+            )
+        resolver = (
+            _default_resolver(resolved) if tpu_cluster_resolver is None else tpu_cluster_resolver
+        )
         if not isinstance(resolver, TPUClusterResolver):
             raise TypeError(
                 "tpu_cluster_resolver must be a polydist.cluster_resolver.TPUClusterResolver, "
@@ -191,13 +230,15 @@ class TPUExtended(StrategyExtended):
                 "device_assignment must be a polydist.tpu.DeviceAssignment (build one with "
                 f"DeviceAssignment.build(topology, ...)); got {type(device_assignment).__name__}."
             )
-        resolved = get_backend(backend)
-        if not resolved.capabilities.has("tpu"):
+        system = resolver._bind(resolved)
+        if system is None and local_tpu_system(resolved) is not None:
             raise ValueError(
-                f"TPUStrategy needs a backend that declares Capabilities.tpu; backend "
-                f"{resolved.name!r} does not. Simulated TPU slices run on the simulator: "
-                "pass backend='sim'."
+                f"Backend {resolved.name!r} runs TPUStrategy on the TPU cores of this process "
+                f"only: pass TPUClusterResolver('local') (or no resolver). {resolver!r} is a "
+                "simulated slice; those run on the simulator (backend='sim')."
             )
+        if system is not None and device_assignment is not None:
+            _check_topology(device_assignment, system, resolved)
         self._tpu_cluster_resolver = resolver
         self._cluster_resolver = resolver
         self._tpu_metadata = resolver.get_tpu_system_metadata()
@@ -210,8 +251,13 @@ class TPUExtended(StrategyExtended):
         flat = [canonicalize(d) for d in self._tpu_metadata.devices if "/device:TPU:" in d]
         self._tpu_devices = _replica_devices(flat, device_assignment, resolver)
         self._host_device = _host_of(self._tpu_devices[0][0])
-        self._connect(resolved, flat)
-        super().__init__(container_strategy, resolved, tuple(r[0] for r in self._tpu_devices))
+        replicas = tuple(r[0] for r in self._tpu_devices)
+        if system is None:
+            self._connect(resolved, flat)
+        else:
+            # The backend's own cores: it checks the replicas' devices, in replica order.
+            resolved.validate_devices(replicas)
+        super().__init__(container_strategy, resolved, replicas)
 
     def _connect(self, backend: Backend, flat: Sequence[str]) -> None:
         by_host: dict[tuple[str, int], list[str]] = {}
@@ -273,7 +319,7 @@ class TPUExtended(StrategyExtended):
     def tpu_hardware_feature(self) -> TPUHardwareFeature:
         """What the slice's chips support (`TPUHardwareFeature`)."""
         feature, per_chip = _HARDWARE_FEATURES.get(
-            self._tpu_cluster_resolver.slice_spec.generation, (_EMBEDDING.UNSUPPORTED, 0)
+            self._tpu_cluster_resolver._generation(), (_EMBEDDING.UNSUPPORTED, 0)
         )
         return TPUHardwareFeature(feature, per_chip)
 
@@ -425,8 +471,7 @@ def _replica_devices(
             if device not in known:
                 raise ValueError(
                     f"The device assignment puts replica {r}, logical core {c} on {device}, "
-                    f"which slice {resolver.slice_spec.name!r} does not have (it has "
-                    f"{len(flat)} TPU devices on {resolver.slice_spec.num_hosts} hosts). Build "
+                    f"which {resolver._describe(len(flat))}. Build "
                     "the DeviceAssignment from this slice's topology: "
                     "resolver.get_tpu_system_metadata().topology."
                 )
@@ -442,15 +487,18 @@ class TPUStrategy(Strategy):
     """Synchronous training on the TPU devices of a (simulated) TPU slice.
 
     One replica per TPU device, or per replica of ``experimental_device_assignment``.
-    ``run`` works eagerly on the sim (TF requires a ``tf.function``).
+    ``run`` works eagerly on the sim (TF requires a ``tf.function``) and compiles
+    on jax and torch-xla, which run on their own TPU cores (or on devices
+    standing in for them; see `polydist.tpu.LocalTPUSystem`).
 
     Args:
         tpu_cluster_resolver: a `polydist.cluster_resolver.TPUClusterResolver`
-            naming a simulated slice (``TPUClusterResolver(tpu="v4-32")``).
-            Default: ``TPUClusterResolver()`` if ``TPU_NAME`` (or
+            naming a simulated slice (``TPUClusterResolver(tpu="v4-32")``) or
+            ``"local"``. Default: ``TPUClusterResolver()`` if ``TPU_NAME`` (or
             ``KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS``) is set, else
             ``TPUClusterResolver("local")``, the slice named by
-            ``$POLYDIST_LOCAL_TPU`` (default ``v3-8``).
+            ``$POLYDIST_LOCAL_TPU`` (default ``v3-8``). On a backend with its
+            own TPU cores only ``"local"`` is accepted, and it is the default.
         experimental_device_assignment: a `polydist.tpu.DeviceAssignment`
             placing the replicas (and, with ``computation_shape``, several
             logical devices per replica for model parallelism).
@@ -509,7 +557,8 @@ class TPUStrategy(Strategy):
         kwargs: dict[str, Any] | None = None,
         options: Any = None,
     ) -> Any:
-        """Calls ``fn`` once per TPU replica, eagerly (TF requires a ``tf.function``).
+        """Calls ``fn`` once per TPU replica: eagerly on the sim (TF requires a
+        ``tf.function``), compiled on jax and torch-xla.
 
         Inside, ``get_replica_context()`` is a `TPUReplicaContext`; its
         ``all_gather`` needs the same shape on every replica.

@@ -35,12 +35,17 @@ A backend may also decide what a value write stores, with an optional method
 ``store_variable(stored, new) -> array`` (``stored``: what the component holds
 now, ``None`` when it is created; ``new``: the new value, a fresh array). Core
 calls it on creation and in ``_write_storage`` (``assign``, ``assign_add``,
-``assign_sub``, ``checkpoint.restore``) and stores what it returns; without it,
-``new`` is stored. The torch backend uses it to detach values from autograd
-and to copy a new value *into* a stored ``torch.nn.Parameter`` in place, so
-that a torch optimizer holding that parameter keeps seeing the variable's
-storage (``polydist_torch.parameters``). :func:`swap_storage` never calls it:
-it always swaps the arrays themselves.
+``assign_sub``, the ``scatter_*`` methods, ``checkpoint.restore``) and stores
+what it returns; without it, ``new`` is stored. The torch backend uses it to
+detach values from autograd and to copy a new value *into* a stored
+``torch.nn.Parameter`` in place, so that a torch optimizer holding that
+parameter keeps seeing the variable's storage (``polydist_torch.parameters``).
+:func:`swap_storage` never calls it: it always swaps the arrays themselves.
+
+Sparse writes (``scatter_*``, ``scatter_nd_*``, ``batch_scatter_update``) are
+computed on the host with NumPy (``polydist._scatter``: TF's CPU kernels, one
+index after the other) and stored like an ``assign``. Where the storage holds
+traced values (a compiled run) they raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -53,14 +58,15 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from polydist import _context, _nest
+from polydist import _context, _nest, _scatter
 from polydist._arrays import convert_to_array, describe, dtype_name, is_array, mean_from_sum
 from polydist._backend import Backend, get_backend
 from polydist._devices import HOST_DEVICE
+from polydist._indexed_slices import IndexedSlices
 from polydist._reduce_op import ReduceOp
 from polydist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
 from polydist.errors import InvalidArgumentError
@@ -364,6 +370,32 @@ def _read_operand(value: Any) -> Any:
     return value
 
 
+def _sparse_delta(method: str, sparse_delta: Any) -> IndexedSlices:
+    if not isinstance(sparse_delta, IndexedSlices):
+        raise TypeError(
+            f"{method}: sparse_delta must be a polydist.IndexedSlices (TF's tf.IndexedSlices), "
+            f"got {type(sparse_delta).__name__}. Wrap the rows: "
+            "polydist.IndexedSlices(values, indices)."
+        )
+    return sparse_delta
+
+
+def _refuse_traced(method: str, name: str) -> None:
+    if _TRACED_REPLICA.get() is not None:
+        raise NotImplementedError(
+            f"{method} is not supported inside a compiled strategy.run, where variable {name!r} "
+            "holds traced values: polydist computes sparse updates on the host. Call it "
+            "outside strategy.run, write a dense value with assign (e.g. "
+            "x.at[indices].add(values) on JAX), or run eagerly (JaxBackend(jit=False))."
+        )
+
+
+def _host(backend: Backend, value: Any) -> Any:
+    """``value`` (an array of ``backend``, NumPy, or Python numbers) as a host NumPy array."""
+    value = _read_operand(value)
+    return np.asarray(backend.to_numpy(value) if is_array(value) else convert_to_array(value))
+
+
 def _copy(array: Any, xp: Any) -> Any:
     if isinstance(array, np.ndarray | np.generic):
         return np.array(array, copy=True)
@@ -429,16 +461,45 @@ class _VariableMeta(type):
         return super().__call__(*args, **kwargs)
 
 
-def _assign_fn(var: Variable, value: Any, **kwargs: Any) -> Any:
-    return var.assign(value, **kwargs)
+class _VariableMethod:
+    """The ``update_fn`` a distributed variable's write hands to ``_update`` (and so to
+    ``StrategyExtended.update``): calls ``copy.<name>(value, **kwargs)`` on the copy
+    being updated (TF's ``values_util`` lambdas), and says which method it is."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, var: Variable, value: Any, **kwargs: Any) -> Any:
+        method: Callable[..., Any] = getattr(var, self.name)
+        return method(value, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<update_fn {self.name}>"
 
 
-def _assign_add_fn(var: Variable, value: Any, **kwargs: Any) -> Any:
-    return var.assign_add(value, **kwargs)
+# The scatter methods TF's distributed variables implement (through _update); the
+# others (batch_scatter_update, scatter_nd_*) exist on single-copy variables only.
+_SCATTER_METHODS = (
+    "scatter_add",
+    "scatter_sub",
+    "scatter_mul",
+    "scatter_div",
+    "scatter_min",
+    "scatter_max",
+    "scatter_update",
+)
+# One per method a distributed variable routes through _update (one object each, so
+# that ``update_fn is _assign_fn`` identifies an assign).
+_UPDATE_FNS = {
+    name: _VariableMethod(name)
+    for name in ("assign", "assign_add", "assign_sub", *_SCATTER_METHODS)
+}
+_assign_fn = _UPDATE_FNS["assign"]
 
-
-def _assign_sub_fn(var: Variable, value: Any, **kwargs: Any) -> Any:
-    return var.assign_sub(value, **kwargs)
+# assign_add / assign_sub: the array API function that combines value and delta.
+_DELTA_OPS = {"assign_add": "add", "assign_sub": "subtract"}
 
 
 class Variable(metaclass=_VariableMeta):
@@ -612,8 +673,7 @@ class Variable(metaclass=_VariableMeta):
         Returns the variable (a component returns its new value, as TF's
         ``_UnreadVariable``), or ``None`` with ``read_value=False``.
         """
-        self._write_storage(self._coerce(value, "assign"))
-        return self._result(read_value)
+        return self._write("assign", value, read_value)
 
     def assign_add(
         self,
@@ -623,10 +683,7 @@ class Variable(metaclass=_VariableMeta):
         read_value: bool = True,
     ) -> Any:
         """Adds ``delta`` to the value (same shape; converted to the variable's dtype)."""
-        xp = self._backend.array_namespace()
-        new = xp.add(self._array, self._coerce(delta, "assign_add"))
-        self._write_storage(self._place(new))
-        return self._result(read_value)
+        return self._write("assign_add", delta, read_value)
 
     def assign_sub(
         self,
@@ -636,10 +693,146 @@ class Variable(metaclass=_VariableMeta):
         read_value: bool = True,
     ) -> Any:
         """Subtracts ``delta`` from the value (same shape; converted to the variable's dtype)."""
-        xp = self._backend.array_namespace()
-        new = xp.subtract(self._array, self._coerce(delta, "assign_sub"))
-        self._write_storage(self._place(new))
+        return self._write("assign_sub", delta, read_value)
+
+    def _write(self, method: str, value: Any, read_value: bool) -> Any:
+        """``assign``, ``assign_add`` or ``assign_sub`` of this single copy (a distributed
+        variable overrides it to apply TF's context and aggregation rules)."""
+        new = self._coerce(value, method)
+        if method in _DELTA_OPS:
+            xp = self._backend.array_namespace()
+            new = self._place(getattr(xp, _DELTA_OPS[method])(self._array, new))
+        self._write_storage(new)
         return self._result(read_value)
+
+    # -- sparse writes (TF's scatter_* methods) ---------------------------------------------
+    def scatter_add(
+        self, sparse_delta: IndexedSlices, use_locking: bool = False, name: str | None = None
+    ) -> Any:
+        """Adds ``sparse_delta`` (an ``IndexedSlices``) to the rows it names.
+
+        Row ``sparse_delta.indices[i]`` gets ``sparse_delta.values[i]`` added; a
+        repeated index gets each of its values. The values are converted to the
+        variable's dtype (never narrowing its kind) and have shape
+        ``indices.shape + variable.shape[1:]``, or are a scalar. An index outside
+        ``[0, variable.shape[0])`` is an ``InvalidArgumentError``. Returns the
+        variable, as ``assign`` does.
+        """
+        return self._scatter("scatter_add", sparse_delta)
+
+    def scatter_sub(
+        self, sparse_delta: IndexedSlices, use_locking: bool = False, name: str | None = None
+    ) -> Any:
+        """Subtracts ``sparse_delta`` from the rows it names (see ``scatter_add``)."""
+        return self._scatter("scatter_sub", sparse_delta)
+
+    def scatter_mul(
+        self, sparse_delta: IndexedSlices, use_locking: bool = False, name: str | None = None
+    ) -> Any:
+        """Multiplies the rows ``sparse_delta`` names by its values (see ``scatter_add``)."""
+        return self._scatter("scatter_mul", sparse_delta)
+
+    def scatter_div(
+        self, sparse_delta: IndexedSlices, use_locking: bool = False, name: str | None = None
+    ) -> Any:
+        """Divides the rows ``sparse_delta`` names by its values (see ``scatter_add``;
+        integer variables divide as C does, truncating toward zero)."""
+        return self._scatter("scatter_div", sparse_delta)
+
+    def scatter_min(
+        self, sparse_delta: IndexedSlices, use_locking: bool = False, name: str | None = None
+    ) -> Any:
+        """Sets the rows ``sparse_delta`` names to the minimum of them and its values."""
+        return self._scatter("scatter_min", sparse_delta)
+
+    def scatter_max(
+        self, sparse_delta: IndexedSlices, use_locking: bool = False, name: str | None = None
+    ) -> Any:
+        """Sets the rows ``sparse_delta`` names to the maximum of them and its values."""
+        return self._scatter("scatter_max", sparse_delta)
+
+    def scatter_update(
+        self, sparse_delta: IndexedSlices, use_locking: bool = False, name: str | None = None
+    ) -> Any:
+        """Sets the rows ``sparse_delta`` names to its values (a repeated index keeps
+        its last value)."""
+        return self._scatter("scatter_update", sparse_delta)
+
+    def batch_scatter_update(
+        self, sparse_delta: IndexedSlices, use_locking: bool = False, name: str | None = None
+    ) -> Any:
+        """``scatter_update`` per batch entry (TF's ``batch_scatter_update``).
+
+        With ``sparse_delta.indices`` of shape ``[b_1, ..., b_n, J]``, element
+        ``variable[b_1, ..., b_n, indices[b_1, ..., b_n, j]]`` gets
+        ``values[b_1, ..., b_n, j]`` (values of shape ``indices.shape +
+        variable.shape[n + 1:]``). 1-D indices make it ``scatter_update``.
+        """
+        return self._scatter("batch_scatter_update", sparse_delta)
+
+    def scatter_nd_add(self, indices: Any, updates: Any, name: str | None = None) -> Any:
+        """Adds ``updates`` at ``indices`` (``tf.scatter_nd``'s layout).
+
+        ``indices`` has shape ``[..., K]``: its last dimension indexes the first
+        ``K`` dimensions of the variable (elements if ``K`` is its rank, else
+        slices), and ``updates`` has shape ``indices.shape[:-1] +
+        variable.shape[K:]``. A repeated index gets each of its updates.
+        Returns the variable.
+        """
+        return self._scatter_nd("scatter_nd_add", indices, updates)
+
+    def scatter_nd_sub(self, indices: Any, updates: Any, name: str | None = None) -> Any:
+        """Subtracts ``updates`` at ``indices`` (see ``scatter_nd_add``)."""
+        return self._scatter_nd("scatter_nd_sub", indices, updates)
+
+    def scatter_nd_update(self, indices: Any, updates: Any, name: str | None = None) -> Any:
+        """Sets the elements or slices at ``indices`` to ``updates`` (see
+        ``scatter_nd_add``; a repeated index keeps its last update)."""
+        return self._scatter_nd("scatter_nd_update", indices, updates)
+
+    def _scatter(self, method: str, sparse_delta: Any) -> Any:
+        """A ``scatter_*`` method of this single copy (distributed variables override it)."""
+        delta = _sparse_delta(method, sparse_delta)
+        return self._sparse_write(method, delta.indices, delta.values)
+
+    def _scatter_nd(self, method: str, indices: Any, updates: Any) -> Any:
+        """A ``scatter_nd_*`` method of this single copy (distributed variables override it)."""
+        return self._sparse_write(method, indices, updates)
+
+    def _sparse_write(self, method: str, indices: Any, updates: Any) -> Any:
+        # Computed on the host with NumPy (polydist._scatter), then stored like an assign.
+        _refuse_traced(method, self._name)
+        backend = self._backend
+        base = np.array(backend.to_numpy(self._array), copy=True, order="C")
+        op = _scatter.OPS[method]
+        _scatter.check_dtype(op, method, base.dtype, self._name)
+        index_array = _host(backend, indices)
+        update_array = self._host_updates(method, updates, base.dtype)
+        if method == "batch_scatter_update":
+            index_array = _scatter.batch_to_nd_indices(
+                index_array, update_array, tuple(base.shape), method, self._name
+            )
+        nd = method == "batch_scatter_update" or method.startswith("scatter_nd")
+        apply = _scatter.scatter_nd_rows if nd else _scatter.scatter_rows
+        new = self._place(apply(base, index_array, update_array, op, method, self._name))
+        if dtype_name(new.dtype) != dtype_name(self.dtype):  # e.g. bfloat16 via float32
+            new = backend.array_namespace().astype(new, self.dtype)
+        self._write_storage(new)
+        return self._result(True)
+
+    def _host_updates(self, method: str, updates: Any, host_dtype: np.dtype[Any]) -> Any:
+        """``updates`` as a host array of the variable's dtype (kinds never narrow)."""
+        xp = self._backend.array_namespace()
+        value = _read_operand(updates)
+        source = value if is_array(value) else convert_to_array(value)
+        if _kind(self.dtype, xp) not in _CASTS.get(_kind(source.dtype, xp), ""):
+            raise TypeError(
+                f"Cannot {method} values of dtype {dtype_name(source.dtype)} into variable "
+                f"{self._name!r} of dtype {dtype_name(self.dtype)}: that would lose "
+                "information. Cast the values first (e.g. with .astype), or create the "
+                "variable with a dtype of that kind."
+            )
+        return _host(self._backend, source).astype(host_dtype, copy=False)
 
     def _result(self, read_value: bool) -> Any:
         if not read_value:
@@ -965,32 +1158,29 @@ class DistributedVariable(DistributedValues, Variable):
     __hash__ = object.__hash__
 
     # -- updates (TF's DistributedVariable._update) ---------------------------------------------
-    def assign(
-        self,
-        value: Any,
-        use_locking: bool = False,
-        name: str | None = None,
-        read_value: bool = True,
-    ) -> Any:
-        return self._update(_assign_fn, value, read_value=read_value)
+    def _write(self, method: str, value: Any, read_value: bool) -> Any:
+        # assign / assign_add / assign_sub (Variable's public methods land here).
+        return self._update(_UPDATE_FNS[method], value, read_value=read_value)
 
-    def assign_add(
-        self,
-        delta: Any,
-        use_locking: bool = False,
-        name: str | None = None,
-        read_value: bool = True,
-    ) -> Any:
-        return self._update(_assign_add_fn, delta, read_value=read_value)
+    def _scatter(self, method: str, sparse_delta: Any) -> Any:
+        delta = _sparse_delta(method, sparse_delta)
+        if method not in _UPDATE_FNS:  # batch_scatter_update
+            self._sparse_not_implemented(method)
+        _refuse_traced(method, self.name)  # before any merge_call
+        return self._update(_UPDATE_FNS[method], delta)
 
-    def assign_sub(
-        self,
-        delta: Any,
-        use_locking: bool = False,
-        name: str | None = None,
-        read_value: bool = True,
-    ) -> Any:
-        return self._update(_assign_sub_fn, delta, read_value=read_value)
+    def _scatter_nd(self, method: str, indices: Any, updates: Any) -> Any:
+        self._sparse_not_implemented(method)
+
+    def _sparse_not_implemented(self, method: str) -> NoReturn:
+        # TF's distributed variables inherit these from tf.Variable, which raises.
+        raise NotImplementedError(
+            f"{type(self).__name__} {self.name!r} does not support `{method}` (TF's distributed "
+            "variables do not implement it). Update each copy instead, in cross-replica "
+            "context: strategy.extended.update(v, lambda copy, *args: "
+            f"copy.{method}(*args), args=(...)); or use the scatter_* methods, which take "
+            "an IndexedSlices."
+        )
 
     def _update(self, update_fn: Callable[..., Any], value: Any, **kwargs: Any) -> Any:
         strategy = self._distribute_strategy
@@ -1028,6 +1218,21 @@ class MirroredVariable(DistributedVariable, Mirrored):
 
     def _cross_replica_value(self) -> Any:
         return self._values[0]._array
+
+    def _scatter(self, method: str, sparse_delta: Any) -> Any:
+        # TF: an aggregated min, max or update of several replicas' rows has no meaning.
+        aggregated = self._aggregation not in (
+            VariableAggregation.NONE,
+            VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        if aggregated and method in ("scatter_min", "scatter_max", "scatter_update"):
+            raise NotImplementedError(
+                f"{method} is only supported for mirrored variable (variable created within "
+                "certain `tf.distribute.Strategy` scope) with NONE or `ONLY_FIRST_REPLICA` "
+                f"aggregation, got: {self._aggregation} (variable {self.name!r}). Create it "
+                "with one of those, or update its copies with strategy.extended.update."
+            )
+        return super()._scatter(method, sparse_delta)
 
     def _update_cross_replica(
         self, update_fn: Callable[..., Any], value: Any, **kwargs: Any
@@ -1098,6 +1303,17 @@ class SyncOnReadVariable(DistributedVariable):
         assert index is not None
         return update_fn(self._values[index], value, **kwargs)
 
+    def _scatter(self, method: str, sparse_delta: Any) -> Any:
+        self._sparse_not_implemented(method)
+
+    def _sparse_not_implemented(self, method: str) -> NoReturn:
+        # TF's SyncOnReadVariable refuses every sparse write, in every context.
+        raise NotImplementedError(
+            f"Variables with `synchronization=ON_READ` doesn't support `{method}` (variable "
+            f"{self.name!r}). Write the rows densely with assign / assign_add (inside "
+            "strategy.run each replica writes its own copy), or use a MirroredVariable."
+        )
+
     def _update_cross_replica(
         self, update_fn: Callable[..., Any], value: Any, **kwargs: Any
     ) -> Any:
@@ -1111,9 +1327,9 @@ class SyncOnReadVariable(DistributedVariable):
                 total = self._values[0]._coerce(value, "assign")
                 value = xp.astype(mean_from_sum(xp, total, _global_copies(self)), self.dtype)
         elif agg is VariableAggregation.SUM:
-            op = "assign_add" if update_fn is _assign_add_fn else "assign_sub"
             raise ValueError(
-                f"SyncOnReadVariable does not support `{op}` in cross-replica context when "
+                f"SyncOnReadVariable does not support `{_method_name(update_fn)}` in "
+                "cross-replica context when "
                 f"aggregation is set to `tf.VariableAggregation.SUM` (variable {self.name!r}). "
                 "Update it inside strategy.run (each replica adds to its own copy), or assign "
                 "the new total with v.assign(total)."
@@ -1121,6 +1337,10 @@ class SyncOnReadVariable(DistributedVariable):
         for c in self._values:
             update_fn(c, value, read_value=False)
         return self.read_value() if read_value else None
+
+
+def _method_name(update_fn: Callable[..., Any]) -> str:
+    return update_fn.name if isinstance(update_fn, _VariableMethod) else repr(update_fn)
 
 
 def _apply_aggregation(
@@ -1254,12 +1474,15 @@ def create_variable(
     host = backend.to_numpy(array) if len(devices) > 1 else array
     xp = backend.array_namespace()
     base = name or "Variable"
-    components = []
+    components: list[Variable] = []
     for i, device in enumerate(devices):
-        copy = array if i == 0 else _copy(host, xp)
+        placed = backend.place(array if i == 0 else _copy(host, xp), device)
+        if i and placed.dtype != components[0].dtype:
+            # to_numpy widens dtypes NumPy lacks (torch's bfloat16 -> float32).
+            placed = xp.astype(placed, components[0].dtype)
         components.append(
             Variable._from_array(
-                backend.place(copy, device),
+                placed,
                 backend=backend,
                 device=device,
                 # TF: the primary is 'v:0', the others 'v/replica_<i>:0'.

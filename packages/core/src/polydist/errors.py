@@ -50,7 +50,9 @@ class CollectiveMismatchError(RuntimeError):
     Raised when one replica reaches ``all_reduce``, ``all_gather`` or
     ``merge_call`` while another returns, or when replicas call different
     collectives, or the same one with different shapes or dtypes. The message
-    names every replica, what it reached, and the user's source line.
+    names every replica, what it reached, and the user's source line. The
+    multi-process ``MultiWorkerMirroredStrategy`` of torch and JAX raises it on
+    every worker when workers disagree, naming each worker instead.
     """
 
 

@@ -53,10 +53,12 @@ and several that model what real runtimes do:
     chunk sizes, pipelining and channel counts differ, so this reproduces
     the *kind* of order dependence a ring has, not a particular library's bits.
 
-bool is rejected with :class:`TypeError` in every order, as TF's ``add_n``
-rejects it.  Every order returns a new array (never one of the inputs) with
-the inputs' shape and dtype; floating-point warnings are suppressed since
-overflow to inf is a legitimate result of a sum.
+Non-numeric dtypes, bool included, are rejected with :class:`TypeError` in
+every order; core refuses a SUM or MEAN of bool with TF's reason before any
+backend sums (``polydist._arrays.check_summable``).  Every order returns a new
+array (never one of the inputs) with the inputs' shape and dtype;
+floating-point warnings are suppressed since overflow to inf is a legitimate
+result of a sum.
 """
 
 from __future__ import annotations
@@ -97,11 +99,6 @@ def sum_replicas(values: Sequence[_Array], order: ReductionOrder = "exact") -> _
             raise ValueError(
                 f"replica values disagree: {a.dtype}{list(a.shape)} vs {dtype}{list(shape)}"
             )
-    if dtype == np.bool_:
-        raise TypeError(
-            "cannot SUM bool replica values (TF's add_n does not support bool); "
-            "cast to an integer dtype first"
-        )
     if dtype.kind not in "iufc":
         raise TypeError(f"cannot SUM replica values of dtype {dtype}")
     if len(arrays) == 1:

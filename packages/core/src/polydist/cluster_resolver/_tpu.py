@@ -1,4 +1,4 @@
-"""`TPUClusterResolver` for SIMULATED TPU slices.
+"""`TPUClusterResolver` for SIMULATED TPU slices and a backend's local TPU.
 
 Mirrors TensorFlow's
 ``tensorflow/python/distribute/cluster_resolver/tpu/tpu_cluster_resolver.py``
@@ -29,6 +29,14 @@ variable, default ``"v3-8"``; a coordinator without an address gets
 ``get_tpu_system_metadata().topology`` is the slice's `Topology` (TensorFlow
 leaves it ``None`` there). ``zone``, ``project``, ``credentials``, ``service``
 and ``discovery_url`` are accepted and kept but unused.
+
+``"local"`` on a backend with real devices: a backend that describes its TPU
+cores (``local_tpu_system()``, see `polydist.tpu.LocalTPUSystem`: JAX, torch-xla)
+replaces the simulated slice. A resolver answers for one backend: the one
+given as ``backend=``, else the first of these: the backend of the first
+`TPUStrategy` it is passed to, or ``$POLYDIST_BACKEND`` if a question
+(``get_tpu_system_metadata``, ``num_accelerators``) comes first. Until then it
+answers with the simulator's slice.
 """
 
 from __future__ import annotations
@@ -37,9 +45,10 @@ import dataclasses
 import os
 from typing import Any
 
+from polydist._backend import ENV_VAR, Backend, get_backend, local_tpu_system
 from polydist.cluster_resolver._base import ClusterResolver, format_master_url
 from polydist.cluster_resolver._cluster_spec import ClusterSpec
-from polydist.tpu import SliceSpec, Topology, known_slice_names, simulated_slice
+from polydist.tpu import LocalTPUSystem, SliceSpec, Topology, known_slice_names, simulated_slice
 
 __all__ = ["LOCAL_TPU_ENV", "TPUClusterResolver", "TPUSystemMetadata"]
 
@@ -75,6 +84,18 @@ def _known_names() -> str:
     return ", ".join(known_slice_names())
 
 
+@dataclasses.dataclass(frozen=True)
+class _Binding:
+    """Whose local TPU a ``"local"`` resolver describes."""
+
+    backend: str  # the backend's name, for messages
+    system: LocalTPUSystem | None  # None: the simulated local slice
+
+
+def _binding(backend: Backend) -> _Binding:
+    return _Binding(backend.name, local_tpu_system(backend))
+
+
 class TPUClusterResolver(ClusterResolver):
     """Cluster resolver for simulated Cloud TPU slices.
 
@@ -89,6 +110,13 @@ class TPUClusterResolver(ClusterResolver):
       coordinator_name: if set, a job of that name with one task (the
         coordinator) is added to the cluster spec.
       coordinator_address: the coordinator's address.
+      backend: for ``tpu="local"`` (a polydist extension): the backend (name
+        or instance) whose TPU cores this resolver describes. Default: the
+        backend of the first `TPUStrategy` it is passed to, or
+        ``$POLYDIST_BACKEND`` if the resolver is asked first (until then, the
+        simulator's slice). A backend on real devices (JAX, torch-xla)
+        reports its own cores; the simulator reports the slice named by
+        ``$POLYDIST_LOCAL_TPU``.
 
     Raises:
       ValueError: if ``tpu`` names no simulated slice (real Cloud TPU names
@@ -106,7 +134,14 @@ class TPUClusterResolver(ClusterResolver):
         credentials: Any = "default",
         service: Any = None,
         discovery_url: str | None = None,
+        *,
+        backend: str | Backend | None = None,
     ) -> None:
+        if backend is not None and not isinstance(backend, str | Backend):
+            raise TypeError(
+                "backend must be a backend name or a polydist.backend.Backend; got "
+                f"{type(backend).__name__}."
+            )
         if isinstance(tpu, list):
             if not tpu:
                 raise ValueError("At least one TPU must be specified; got an empty list.")
@@ -162,6 +197,8 @@ class TPUClusterResolver(ClusterResolver):
         else:
             self._coordinator_address = coordinator_address
         self._tpu_topology: Topology | None = None
+        self._backend_choice = backend
+        self._binding: _Binding | None = None
 
     @staticmethod
     def _lookup(name: str, what: str) -> SliceSpec:
@@ -193,13 +230,91 @@ class TPUClusterResolver(ClusterResolver):
         (see `tpu_topology`).
         """
         resolver = cls(tpu, zone, project)
-        resolver.set_tpu_topology(resolver._slice.topology().serialized())
+        resolver.set_tpu_topology(resolver._topology().serialized())
         return resolver
 
     @property
     def slice_spec(self) -> SliceSpec:
-        """The simulated slice behind this resolver."""
+        """The simulated slice behind this resolver.
+
+        Raises:
+          ValueError: for ``tpu="local"`` describing a backend's real TPU cores
+            (there is no simulated slice; see `get_tpu_system_metadata`).
+        """
+        if self._local_system() is not None:
+            raise ValueError(
+                f"{self!r} describes the TPU cores of backend "
+                f"{self._bound().backend!r}, not a simulated slice; read them with "
+                "get_tpu_system_metadata()."
+            )
         return self._slice
+
+    # -- the local TPU of a backend ------------------------------------------------------
+    def _bound(self) -> _Binding:
+        if self._binding is None:
+            choice = self._backend_choice
+            if choice is None:
+                choice = os.environ.get(ENV_VAR)
+            if not choice:
+                # No backend named yet: the sim's slice, until a TPUStrategy binds one.
+                return _Binding("sim", None)
+            self._binding = _binding(get_backend(choice))
+        return self._binding
+
+    def _local_system(self) -> LocalTPUSystem | None:
+        """The backend's TPU cores behind ``tpu="local"``; None: a simulated slice."""
+        return self._bound().system if self._is_local else None
+
+    def _bind(self, backend: Backend) -> LocalTPUSystem | None:
+        """Called by `TPUStrategy`: the cores of ``backend`` for ``tpu="local"``.
+
+        A resolver not yet bound to a backend binds to ``backend``.
+
+        Raises:
+          ValueError: if the resolver already describes a different TPU system.
+        """
+        if not self._is_local:
+            return None
+        wanted = _binding(backend)
+        if self._binding is None and self._backend_choice is None:
+            self._binding = wanted
+            return wanted.system
+        current = self._bound()
+        if current.system != wanted.system:
+            raise ValueError(
+                f"This TPUClusterResolver('local') already describes the local TPU of "
+                f"{self._text(current)}, but the TPUStrategy runs on {self._text(wanted)}. "
+                f"Create the resolver for that backend: TPUClusterResolver('local', "
+                f"backend={backend.name!r}) (or set ${ENV_VAR}={backend.name})."
+            )
+        return current.system
+
+    def _text(self, binding: _Binding) -> str:
+        if binding.system is None:
+            return f"backend {binding.backend!r}, the simulated slice {self._slice.name!r}"
+        return f"backend {binding.backend!r}, {binding.system.num_cores} TPU core(s)"
+
+    def _topology(self) -> Topology:
+        system = self._local_system()
+        return self._slice.topology() if system is None else system.topology()
+
+    def _generation(self) -> str:
+        """The TPU generation (``"v4"``); ``""`` if the backend's cores do not say."""
+        system = self._local_system()
+        return self._slice.generation if system is None else system.generation
+
+    def _describe(self, num_devices: int) -> str:
+        """``"<this TPU> does not have (...)"``, for messages about a missing device."""
+        system = self._local_system()
+        if system is None:
+            return (
+                f"slice {self._slice.name!r} does not have (it has {num_devices} TPU devices "
+                f"on {self._slice.num_hosts} hosts)"
+            )
+        return (
+            f"the local TPU of backend {self._bound().backend!r} does not have (it has "
+            f"{num_devices} TPU cores)"
+        )
 
     def __enter__(self) -> TPUClusterResolver:
         return self
@@ -264,11 +379,15 @@ class TPUClusterResolver(ClusterResolver):
         task_id: int | None = None,
         config_proto: Any = None,
     ) -> dict[str, int]:
-        """``{"TPU": cores per host}`` (every host of a slice has the same count)."""
-        del task_type, task_id, config_proto
-        return {"TPU": self._slice.cores_per_host}
+        """``{"TPU": cores per host}`` (every host of a slice has the same count).
 
-    def _device_names(self) -> tuple[str, ...]:
+        For ``tpu="local"`` on a backend with real devices: its TPU cores.
+        """
+        del task_type, task_id, config_proto
+        system = self._local_system()
+        return {"TPU": self._slice.cores_per_host if system is None else system.num_cores}
+
+    def _device_names(self, cores_per_host: int) -> tuple[str, ...]:
         if self._is_local:
             prefixes = ["/job:localhost/replica:0/task:0"]
         else:
@@ -277,18 +396,28 @@ class TPUClusterResolver(ClusterResolver):
         names: list[str] = []
         for prefix in prefixes:
             names.append(f"{prefix}/device:CPU:0")
-            names.extend(f"{prefix}/device:TPU:{i}" for i in range(self._slice.cores_per_host))
+            names.extend(f"{prefix}/device:TPU:{i}" for i in range(cores_per_host))
             names.append(f"{prefix}/device:TPU_SYSTEM:0")
         return tuple(names)
 
     def get_tpu_system_metadata(self) -> TPUSystemMetadata:
-        """Returns the simulated slice's `TPUSystemMetadata`."""
+        """Returns the simulated slice's `TPUSystemMetadata`, or for ``tpu="local"`` on a
+        backend with real devices, that of its TPU cores (one host)."""
+        system = self._local_system()
+        if system is not None:
+            return TPUSystemMetadata(
+                num_cores=system.num_cores,
+                num_hosts=1,
+                num_of_cores_per_host=system.num_cores,
+                topology=system.topology(),
+                devices=self._device_names(system.num_cores),
+            )
         return TPUSystemMetadata(
             num_cores=self._slice.num_cores,
             num_hosts=self._slice.num_hosts,
             num_of_cores_per_host=self._slice.cores_per_host,
             topology=self._slice.topology(),
-            devices=self._device_names(),
+            devices=self._device_names(self._slice.cores_per_host),
         )
 
     def set_tpu_topology(self, serialized_tpu_topology: bytes | str) -> None:
@@ -305,4 +434,10 @@ class TPUClusterResolver(ClusterResolver):
         return ""
 
     def __repr__(self) -> str:
+        binding = self._binding if self._is_local else None
+        if binding is not None and binding.system is not None:
+            return (
+                f"TPUClusterResolver(tpu={self._tpu!r}, backend={binding.backend!r}, "
+                f"cores={binding.system.num_cores})"
+            )
         return f"TPUClusterResolver(tpu={self._tpu!r}, slice={self._slice.name!r})"

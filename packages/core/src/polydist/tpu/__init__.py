@@ -3,7 +3,9 @@
 Pure Python (NumPy only) re-implementations of ``tf.tpu.experimental.Topology``,
 ``tf.tpu.experimental.DeviceAssignment`` and ``DeviceOrderMode``, plus
 `simulated_slice` / `SIMULATED_SLICES`, which describe real Cloud TPU slice
-shapes so that TPU code paths can run without TPU hardware.
+shapes so that TPU code paths can run without TPU hardware, and
+`LocalTPUSystem`, the TPU cores a backend on real devices (JAX, torch-xla)
+runs ``TPUStrategy`` on.
 """
 
 from polydist.tpu._device_assignment import (
@@ -12,6 +14,7 @@ from polydist.tpu._device_assignment import (
     DeviceOrderMode,
     device_assignment,
 )
+from polydist.tpu._local import LocalTPUSystem, assigned_devices
 from polydist.tpu._slices import SIMULATED_SLICES, SliceSpec, known_slice_names, simulated_slice
 from polydist.tpu._topology import Topology
 
@@ -20,8 +23,10 @@ __all__ = [
     "SINGLE_CORE_ASSIGNMENT",
     "DeviceAssignment",
     "DeviceOrderMode",
+    "LocalTPUSystem",
     "SliceSpec",
     "Topology",
+    "assigned_devices",
     "device_assignment",
     "known_slice_names",
     "simulated_slice",

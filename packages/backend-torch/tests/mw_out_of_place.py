@@ -1,0 +1,159 @@
+"""A torch worker for the out-of-place all-reduce tests (test_multi_worker_out_of_place.py).
+
+``python mw_out_of_place.py OUT [stall]`` under ``polydist launch -n W``: reduces the
+`inputs` of every case through the process group's out-of-place all-reduce
+(the ring for tensors of at least ``RING_MIN_BYTES``, a copy and gloo's
+all_reduce below) and through ``MultiWorkerMirroredStrategy`` with 1 and 2
+replicas per worker, and writes ``OUT/worker<rank>.npz``: each result, each
+input as it was afterwards, and a few facts about memory and the ring.
+With ``stall``, worker 1 stops before the second ring all-reduce; worker 0
+writes the error it gets to ``OUT/error0.json`` and exits with code 17.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BIG = 300_001  # float32 elements: > RING_MIN_BYTES, and not a multiple of any world size
+SMALL = 5
+
+
+def inputs(case: str, worker: int, replica: int = 0) -> np.ndarray:
+    """Case ``case``'s value on ``worker``'s replica ``replica`` (NumPy, float32 unless named)."""
+    rng = np.random.RandomState(1000 * worker + 10 * replica + sum(map(ord, case)))
+    if case == "random":  # rounding matters: only 2 workers give one exact rounding per element
+        return (rng.standard_normal(BIG) * 10.0 ** rng.randint(-3, 4, BIG)).astype(np.float32)
+    ints = rng.randint(-1000, 1000, size=BIG)
+    if case == "int64":
+        return ints.astype(np.int64)
+    if case == "float16":
+        return (ints % 64).astype(np.float16)
+    if case == "complex64":
+        return (ints + 1j * ints[::-1]).astype(np.complex64)
+    if case == "matrix_t":  # a transposed (non-contiguous) input
+        return ints[: 600 * 500].reshape(600, 500).astype(np.float32)
+    if case == "small":
+        return ints[:SMALL].astype(np.float32)
+    return ints.astype(np.float32)  # "ints": sums exact in any order
+
+
+CASES = ("random", "ints", "int64", "float16", "complex64", "matrix_t", "small")
+
+
+def stall(out: Path) -> None:
+    import torch
+
+    import polydist as pd
+    import polydist_torch._multi_worker as mw
+
+    options = pd.experimental.CommunicationOptions(timeout_seconds=3)
+    strategy = mw.MultiWorkerMirroredStrategy(communication_options=options, local_devices=1)
+    rank = int(os.environ["RANK"])
+    x = torch.ones(BIG)
+
+    def step(v: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce(pd.ReduceOp.SUM, v)
+
+    strategy.run(step, args=(x,))
+    if rank == 1:
+        time.sleep(60)  # alive (heartbeats go on) but never at the next collective
+        return
+    start = time.monotonic()
+    try:
+        strategy.run(step, args=(x,))
+    except Exception as e:
+        error = {"type": type(e).__name__, "message": str(e), "after": time.monotonic() - start}
+        (out / "error0.json").write_text(json.dumps(error))
+        sys.stdout.flush()
+        os._exit(17)
+
+
+def main(out: Path) -> None:
+    import torch
+
+    import polydist as pd
+    import polydist_torch._multi_worker as mw
+
+    rank = int(os.environ["RANK"])
+    one = mw.MultiWorkerMirroredStrategy(local_devices=1)
+    two = mw.MultiWorkerMirroredStrategy(local_devices=2)
+    backend = one.extended.backend
+    assert isinstance(backend, mw.TorchProcessGroupBackend)
+    group = backend._group
+    assert group is not None
+    rings = []
+    real_ring = mw.ring_all_reduce
+
+    def counting_ring(*args: Any, **kwargs: Any) -> None:
+        rings.append(args[0].numel())
+        real_ring(*args, **kwargs)
+
+    mw.ring_all_reduce = counting_ring  # type: ignore[assignment]
+    saved: dict[str, Any] = {}
+
+    def tensor(case: str, replica: int = 0) -> torch.Tensor:
+        t = torch.from_numpy(inputs(case, rank, replica))
+        return t.t() if case == "matrix_t" else t
+
+    # The process group's out-of-place all-reduce, each dtype and layout.
+    for case in CASES:
+        x = tensor(case)
+        result = group.all_reduce(x, backend._cache)
+        saved[f"group_{case}"] = result.numpy()
+        saved[f"group_{case}_input_after"] = x.numpy().copy()
+    saved["group_rings"] = np.asarray(rings)
+
+    def all_reduce(op: pd.ReduceOp) -> Any:
+        def step(v: Any) -> Any:
+            ctx = pd.get_replica_context()
+            assert ctx is not None
+            return ctx.all_reduce(op, v)
+
+        return step
+
+    # Through the strategy, 1 replica per worker: the ring; a dropped result's memory
+    # is recycled, one still held is not.
+    x = tensor("ints")
+    held = one.run(all_reduce(pd.ReduceOp.SUM), args=(x,))
+    dropped_address = one.run(all_reduce(pd.ReduceOp.SUM), args=(x * 2,)).data_ptr()
+    again = one.run(all_reduce(pd.ReduceOp.SUM), args=(x * 3,))
+    mean = one.run(all_reduce(pd.ReduceOp.MEAN), args=(x,))
+    saved["one_sum"] = held.numpy()  # after the later runs: still the first sum
+    saved["one_sum_x3"] = again.numpy()
+    saved["one_mean"] = mean.numpy()
+    saved["one_input_after"] = x.numpy()
+    saved["one_recycled"] = np.asarray(again.data_ptr() == dropped_address)
+    saved["one_held_kept"] = np.asarray(held.data_ptr() not in (dropped_address, again.data_ptr()))
+    saved["one_reduce"] = one.reduce(pd.ReduceOp.SUM, x, axis=None).numpy()
+
+    # 2 replicas per worker: every replica gets its own result.
+    values = two.experimental_distribute_values_from_function(
+        lambda c: torch.from_numpy(inputs("ints", rank, c.replica_id_in_sync_group % 2))
+    )
+    results = two.experimental_local_results(two.run(all_reduce(pd.ReduceOp.SUM), args=(values,)))
+    saved["two_sum"] = np.stack([r.numpy().copy() for r in results])
+    results[0].add_(1)  # in place on replica 0's copy only
+    saved["two_sum_after_add"] = np.stack([r.numpy() for r in results])
+    saved["two_distinct"] = np.asarray(results[0].data_ptr() != results[1].data_ptr())
+    saved["two_inputs_after"] = np.stack(
+        [v.numpy() for v in two.experimental_local_results(values)]
+    )
+    saved["rings"] = np.asarray(rings)
+    np.savez(out / f"worker{rank}.npz", **saved)
+    mw.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[2:] == ["stall"]:
+        stall(Path(sys.argv[1]))
+    else:
+        main(Path(sys.argv[1]))

@@ -1,0 +1,160 @@
+"""The out-of-place all-reduce across worker processes: ring, recycled memory, TF semantics.
+
+Workers (``mw_out_of_place.py``) run under ``polydist launch`` on 127.0.0.1:
+2 workers (one exact rounding per element, so even random floats must match
+NumPy's sum bit for bit) and 3 (a real ring: chunks travel through a third
+process; integer-valued data, so every summation order is exact).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from polydist import _launch
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX process groups")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import mw_out_of_place as program  # noqa: E402
+
+
+def _launch_workers(
+    workers: int, out: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[_launch.LaunchResult, str]:
+    base = dict(os.environ)
+    for key in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        base.pop(key, None)
+    base["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    log = io.StringIO()
+    result = _launch.launch(
+        workers,
+        str(HERE / "mw_out_of_place.py"),
+        [str(out), *args],
+        timeout=240,
+        stdout=log,
+        stderr=log,
+        env={**base, **(env or {})},
+    )
+    return result, result.message + "\n" + log.getvalue()[-4000:]
+
+
+def _run(workers: int, out: Path) -> list[dict[str, np.ndarray]]:
+    result, log = _launch_workers(workers, out)
+    assert result.exit_code == 0, log
+    loaded = []
+    for w in range(workers):
+        with np.load(out / f"worker{w}.npz") as data:
+            loaded.append({k: data[k] for k in data.files})
+    return loaded
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-workers", "3-workers"])
+def run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, np.ndarray]]]:
+    workers: int = request.param
+    return workers, _run(workers, tmp_path_factory.mktemp(f"w{workers}"))
+
+
+def _input(case: str, worker: int, replica: int = 0) -> np.ndarray:
+    x = program.inputs(case, worker, replica)
+    return x.T if case == "matrix_t" else x
+
+
+def _sum(case: str, workers: int, replicas: int = 1) -> np.ndarray:
+    """The sum in worker order (exact for every case but 'random', where 2 terms round once)."""
+    terms = [_input(case, w, r) for w in range(workers) for r in range(replicas)]
+    total = terms[0].copy()
+    for t in terms[1:]:
+        total = total + t
+    return total
+
+
+@pytest.mark.parametrize("case", program.CASES)
+def test_group_all_reduce_is_the_sum_and_leaves_the_input(
+    case: str, run: tuple[int, list[dict[str, np.ndarray]]]
+) -> None:
+    workers, results = run
+    want = _sum(case, workers)
+    for w, r in enumerate(results):
+        got = r[f"group_{case}"]
+        assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape)
+        assert np.array_equal(got, results[0][f"group_{case}"]), f"worker {w} differs from 0"
+        if case == "random" and workers > 2:
+            _check_rounding(got, [_input(case, v) for v in range(workers)])
+        else:
+            assert np.array_equal(got, want), f"worker {w}: {case} sum differs"
+        assert np.array_equal(r[f"group_{case}_input_after"], _input(case, w)), "input changed"
+
+
+def _check_rounding(got: np.ndarray, terms: list[np.ndarray]) -> None:
+    """Within the error bound of a float32 sum in any order: n-1 roundings of at most
+    u = 2**-24 each, relative to the sum of magnitudes (the float64 sums are exact here)."""
+    exact = np.sum([t.astype(np.float64) for t in terms], axis=0)
+    magnitude = np.sum([np.abs(t.astype(np.float64)) for t in terms], axis=0)
+    k = len(terms) - 1
+    bound = k * 2.0**-24 / (1 - k * 2.0**-24) * magnitude
+    assert (np.abs(got.astype(np.float64) - exact) <= bound).all()
+
+
+def test_the_ring_runs_for_large_tensors_only(run: tuple[int, list[dict[str, np.ndarray]]]) -> None:
+    _, results = run
+    for r in results:
+        # Every case but 'small' (5 elements): float16 is 600 KB, under RING_MIN_BYTES, too.
+        ring_cases = [c for c in program.CASES if c not in ("small", "float16")]
+        assert len(r["group_rings"]) == len(ring_cases), r["group_rings"]
+        # complex64 goes as its real view: twice the elements.
+        assert sorted(r["group_rings"].tolist()) == sorted(
+            2 * program.BIG if c == "complex64" else _input(c, 0).size for c in ring_cases
+        )
+
+
+def test_strategy_one_replica_per_worker(run: tuple[int, list[dict[str, np.ndarray]]]) -> None:
+    workers, results = run
+    total = _sum("ints", workers)
+    for w, r in enumerate(results):
+        assert np.array_equal(r["one_sum"], total), "a result still held was overwritten"
+        assert np.array_equal(r["one_sum_x3"], 3 * total)
+        assert r["one_mean"].dtype == np.float32
+        assert np.array_equal(r["one_mean"], total / np.float32(workers))
+        assert np.array_equal(r["one_input_after"], _input("ints", w))
+        assert bool(r["one_recycled"]), "the dropped result's memory was not reused"
+        assert bool(r["one_held_kept"])
+        assert np.array_equal(r["one_reduce"], total)
+        # The strategy's runs went through the ring, after the group cases.
+        assert len(r["rings"]) > len(r["group_rings"])
+
+
+def test_strategy_two_replicas_per_worker(run: tuple[int, list[dict[str, np.ndarray]]]) -> None:
+    workers, results = run
+    total = _sum("ints", workers, replicas=2)
+    for w, r in enumerate(results):
+        assert np.array_equal(r["two_sum"], np.stack([total, total]))
+        assert np.array_equal(r["two_sum_after_add"], np.stack([total + 1, total]))
+        assert bool(r["two_distinct"])
+        assert np.array_equal(
+            r["two_inputs_after"], np.stack([_input("ints", w, 0), _input("ints", w, 1)])
+        )
+
+
+def test_a_stalled_peer_in_the_ring_is_named_after_the_timeout(tmp_path: Path) -> None:
+    # Without the collective check, the stalled peer is met inside the ring's send/recv.
+    result, log = _launch_workers(2, tmp_path, "stall", env={"POLYDIST_CHECK_COLLECTIVES": "0"})
+    assert result.exit_code == 17 and result.failed_worker == 0, log
+    error = json.loads((tmp_path / "error0.json").read_text())
+    assert error["type"] == "DeadlineExceededError", error
+    assert (
+        "all_reduce (collective #2 of worker 0) across 2 workers did not complete within 3 s"
+        in (error["message"])
+    )
+    assert "worker(s) 1 (/job:worker/replica:0/task:1" in error["message"]
+    assert "alive but did not reach it" in error["message"]
+    assert error["after"] < 3 + 10

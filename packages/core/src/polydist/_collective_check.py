@@ -1,0 +1,301 @@
+"""Workers agree on every cross-process collective, or all raise ``CollectiveMismatchError``.
+
+With one process per worker (`polydist._multi_process`), nothing makes two
+processes call the same collective: on gloo a disagreement hangs until the
+timeout, crashes the process (``gloo::EnforceNotMet`` aborts it when the
+sizes differ) or silently returns wrong values (a float32 tensor summed with
+an int32 one of the same size). So before each cross-process collective,
+`CollectiveChecker.check` publishes this worker's *signature* of it (op,
+reduce op, dtype, shape, and the user's call site for the message) under
+``cc/<n>/<worker>`` in the engine's key-value store (torch's ``TCPStore``,
+JAX's coordination service: the store the heartbeats use), then waits for
+every other worker's signature of collective ``n``. Different signatures
+raise `CollectiveMismatchError` on every worker, before any of them issues
+the collective (each sees all signatures), so nothing hangs and nothing is
+corrupted. A worker that never publishes is a missing peer: the wait ends
+when its heartbeat stops or after the collective timeout, and the engine
+names it (``UnavailableError`` / ``DeadlineExceededError``).
+
+Cost: one store write (asynchronous on torch, overlapping the read on JAX)
+and one blocking store read per collective, a round trip to worker 0's
+store (see docs/multi-host.md).
+``$POLYDIST_CHECK_COLLECTIVES=0`` (a polydist extension) turns the check
+off; every worker publishes its setting when it joins, and the check runs
+only when all workers have it on.
+
+The engine knows the array it sends (dtype, shape). The reduce op comes
+from its caller (`collective_intent`): the eager replica runner, which also
+names the paused replica's line, or the strategy's cross-replica ``reduce``.
+Otherwise the call site is the innermost frame outside polydist.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from polydist import _trace
+from polydist._arrays import dtype_name
+from polydist.errors import CollectiveMismatchError
+
+__all__ = [
+    "CHECK_ENV",
+    "CollectiveChecker",
+    "PeerMissing",
+    "SignatureStore",
+    "checks_enabled",
+    "collective_intent",
+]
+
+#: Environment variable: ``0`` turns the cross-process check off (default ``1``).
+CHECK_ENV = "POLYDIST_CHECK_COLLECTIVES"
+
+# How long each store read waits before the waiter looks at the peers' heartbeats.
+_SLICE_SECONDS = 0.5
+# What a worker publishes as its next signature when it leaves the cluster.
+_LEFT = "left"
+
+
+def checks_enabled() -> bool:
+    """Whether this process checks its collectives against the other workers' (`CHECK_ENV`)."""
+    value = os.environ.get(CHECK_ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(
+        f"${CHECK_ENV}={os.environ[CHECK_ENV]!r}: expected 1 (check that every worker calls the "
+        "same collectives, the default) or 0 (do not check). Set it the same on every worker."
+    )
+
+
+# -- what the caller of a collective meant ------------------------------------------------
+
+
+class _Intent(threading.local):
+    def __init__(self) -> None:
+        self.active = False
+        self.reduce_op: str | None = None
+        self.source: Callable[[], str] | None = None
+
+
+_INTENT = _Intent()
+
+
+class collective_intent:  # a class used like a function: ``with collective_intent(...)``
+    """Tells the engine below the reduce op and the user's call site of the collectives
+    issued inside (the outermost one wins: ``reduce(MEAN, axis=0)`` stays MEAN)."""
+
+    __slots__ = ("_reduce_op", "_set", "_source")
+
+    def __init__(self, reduce_op: str | None, source: Callable[[], str] | None = None) -> None:
+        self._reduce_op = reduce_op
+        self._source = source
+        self._set = False
+
+    def __enter__(self) -> None:
+        if not _INTENT.active:
+            _INTENT.active = True
+            _INTENT.reduce_op = self._reduce_op
+            _INTENT.source = self._source
+            self._set = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._set:
+            self._set = False
+            _INTENT.active = False
+            _INTENT.reduce_op = None
+            _INTENT.source = None
+
+
+# -- the check ------------------------------------------------------------------------------
+
+
+class SignatureStore(Protocol):
+    """The cluster's key-value store, as the check uses it (one connection per checker)."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get_all(self, keys: Sequence[str], seconds: float) -> list[str] | None:
+        """The values of ``keys``, waiting up to ``seconds`` for them to be set; ``None`` if
+        some are still missing then. Raises if the store is unreachable."""
+        ...
+
+
+class PeerMissing(RuntimeError):
+    """A peer did not publish its signature (gone, or not at this collective): the engine
+    turns this into its ``UnavailableError`` / ``DeadlineExceededError`` diagnosis."""
+
+
+class _Heartbeats(Protocol):
+    def silent(self) -> list[int]: ...
+
+    def add_chore(self, chore: Callable[[Any], None]) -> None: ...
+
+
+def _signature(op: str, dtype: Any, shape: Sequence[int], axis: int | None) -> str:
+    if dtype is None:  # a whole compiled step: its program is compared by the engine
+        return op
+    dims: list[str] = [str(int(d)) for d in shape]
+    if axis is not None and dims:
+        dims[axis] = "*"  # all_gather: sizes along the axis may differ
+    reduce_op = _INTENT.reduce_op if _INTENT.active else None
+    what = f"{op}({reduce_op})" if reduce_op else f"{op}(axis={axis})" if axis is not None else op
+    return f"{what} of {dtype_name(dtype)}[{','.join(dims)}]"
+
+
+class CollectiveChecker:
+    """Publishes this worker's signature of each cross-process collective and compares it
+    with every other worker's (see the module doc).
+
+    Args:
+        store: a connection to the cluster's store for this checker's thread.
+        rank, world_size: this worker and the cluster size.
+        timeout: how long to wait for a peer's signature (the collective timeout).
+        heartbeat: the process's `polydist._multi_process.Heartbeat`: a wait ends early
+            when a peer's heartbeat stops, and its thread deletes old signatures.
+        names, addresses: the workers' task names and addresses, for messages.
+        enabled: this process's setting (`checks_enabled`).
+        overlap_writes: write each signature on a thread of its own while waiting for
+            the others' (for a store whose writes wait for a reply; ``store`` must then
+            be safe to use from two threads).
+    """
+
+    def __init__(
+        self,
+        store: SignatureStore,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float,
+        heartbeat: _Heartbeats | None,
+        names: Sequence[str],
+        addresses: Sequence[str] = (),
+        enabled: bool = True,
+        overlap_writes: bool = False,
+    ) -> None:
+        self._store = store
+        self._publisher = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"polydist-check-{rank}")
+            if overlap_writes and enabled
+            else None
+        )
+        self._rank = rank
+        self._others = [r for r in range(world_size) if r != rank]
+        self._timeout = timeout
+        self._heartbeat = heartbeat
+        self._names = list(names)
+        self._addresses = list(addresses)
+        self._enabled: bool | None = None if enabled else False
+        self.seq = 0  # collectives checked (or, with checks off, counted)
+        self._passed = 0  # every worker has published signatures up to here
+        self._deleted = 0  # this worker's signatures up to here are deleted
+        store.set(f"cc/mode/{rank}", "1" if enabled else "0")
+        if heartbeat is not None:
+            heartbeat.add_chore(self._delete_old)
+
+    @property
+    def enabled(self) -> bool | None:
+        """Whether collectives are checked; ``None`` until the workers' settings are known."""
+        return self._enabled
+
+    def check(
+        self, op: str, dtype: Any = None, shape: Sequence[int] = (), axis: int | None = None
+    ) -> None:
+        """Called right before this worker issues a cross-process collective ``op`` of an
+        array of ``dtype`` and ``shape`` (``axis``: an all_gather's; ``dtype=None``: ``op``
+        alone): raises `CollectiveMismatchError` when another worker is at a different
+        one, `PeerMissing` when one does not get there (see the module doc)."""
+        if self._enabled is None:
+            modes = self._wait([f"cc/mode/{r}" for r in self._others], "their first collective")
+            self._enabled = all(m == "1" for m in modes)  # the same answer on every worker
+        self.seq += 1
+        if not self._enabled:
+            return
+        n = self.seq
+        mine = _signature(op, dtype, shape, axis)
+        source = _INTENT.source if _INTENT.active and _INTENT.source is not None else None
+        where = source() if source is not None else _trace.user_source_line()
+        key, value = f"cc/{n}/{self._rank}", f"{mine}\n{where}"
+        if self._publisher is None:
+            self._store.set(key, value)
+            theirs = self._wait([f"cc/{n}/{r}" for r in self._others], f"collective #{n}")
+        else:  # the write's round trip overlaps the wait for the others'
+            written = self._publisher.submit(self._store.set, key, value)
+            theirs = self._wait([f"cc/{n}/{r}" for r in self._others], f"collective #{n}")
+            written.result()
+        self._passed = n
+        if any(t.partition("\n")[0] != mine for t in theirs):
+            calls = dict(zip(self._others, theirs))
+            calls[self._rank] = f"{mine}\n{where}"
+            raise self._mismatch(n, calls)
+
+    def leave(self) -> None:
+        """Publishes that this worker left the cluster (its program ended, or it called
+        ``shutdown``): a peer still at a collective then raises `CollectiveMismatchError`."""
+        if self._enabled is False or getattr(sys, "last_value", None) is not None:
+            return  # checks are off, or the program ended with an uncaught exception
+        try:
+            self._store.set(f"cc/{self.seq + 1}/{self._rank}", f"{_LEFT}\n{self.seq}")
+        except Exception:  # the store (worker 0) is gone: nobody to tell
+            pass
+
+    def _wait(self, keys: list[str], what: str) -> list[str]:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            values = self._store.get_all(keys, max(min(_SLICE_SECONDS, remaining), 0.001))
+            if values is not None:
+                return values
+            if time.monotonic() >= deadline:
+                raise PeerMissing(
+                    f"timed out after {self._timeout:g} s waiting for the other workers to "
+                    f"reach {what}"
+                )
+            silent = self._heartbeat.silent() if self._heartbeat is not None else []
+            if silent:
+                raise PeerMissing(
+                    f"worker(s) {', '.join(map(str, silent))} stopped sending heartbeats while "
+                    f"worker {self._rank} waited for them to reach {what}"
+                )
+
+    def _describe(self, rank: int, text: str) -> str:
+        call, _, where = text.partition("\n")
+        if call == _LEFT:
+            return (
+                f"left the cluster after {where} collective(s) (its program ended, or it "
+                "called shutdown)"
+            )
+        return f"{call} at {where}"
+
+    def _mismatch(self, n: int, calls: dict[int, str]) -> CollectiveMismatchError:
+        lines = [
+            f"Workers disagree on their collective #{n}; on real hardware this program would "
+            "hang, crash or compute wrong values, so no worker issued it.",
+        ]
+        for r in sorted(calls):
+            name = self._names[r] if r < len(self._names) else "?"
+            at = f" at {self._addresses[r]}" if r < len(self._addresses) else ""
+            lines.append(f"  worker {r} ({name}{at}): {self._describe(r, calls[r])}")
+        lines.append(
+            "Every worker must call the same collectives (all_reduce, all_gather, reduce, "
+            "gather, variable creation) in the same order, with the same shapes, dtypes and "
+            "reduce ops. Make the control flow around collectives identical on all workers "
+            "(e.g. do not branch on the task index or on data-dependent values around a "
+            "collective)."
+        )
+        return CollectiveMismatchError("\n".join(lines))
+
+    def _delete_old(self, store: Any) -> None:
+        """A heartbeat chore: deletes this worker's signatures that no worker reads any more
+        (every worker published ``n``, so all are past their check of ``n - 1``)."""
+        budget = time.monotonic() + _SLICE_SECONDS / 2  # keep the heartbeat on time
+        upto = self._passed - 1
+        while self._deleted < upto and time.monotonic() < budget:
+            self._deleted += 1
+            store.delete(f"cc/{self._deleted}/{self._rank}")

@@ -1,0 +1,337 @@
+"""Cross-process collective agreement (polydist._collective_check), with an in-memory store.
+
+Each "worker" is a thread with its own `CollectiveChecker` over one shared store, as each
+process has its own over the engine's store; the engines' tests run real processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from polydist import _multi_process
+from polydist._collective_check import (
+    CHECK_ENV,
+    CollectiveChecker,
+    PeerMissing,
+    checks_enabled,
+    collective_intent,
+)
+from polydist._multi_process import Heartbeat
+from polydist.errors import CollectiveMismatchError
+
+
+class MemoryStore:
+    """A `SignatureStore` and `HeartbeatStore` in memory, shared by a test's workers."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, str] = {}
+        self._changed = threading.Condition()
+
+    def set(self, key: str, value: str) -> None:
+        with self._changed:
+            self.data[key] = value
+            self._changed.notify_all()
+
+    def get(self, key: str) -> str | None:
+        with self._changed:
+            return self.data.get(key)
+
+    def delete(self, key: str) -> None:
+        with self._changed:
+            del self.data[key]
+
+    def get_all(self, keys: Sequence[str], seconds: float) -> list[str] | None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: all(k in self.data for k in keys), seconds):
+                return None
+            return [self.data[k] for k in keys]
+
+
+class FakeHeartbeat:
+    def __init__(self, silent: Sequence[int] = ()) -> None:
+        self._silent = list(silent)
+        self.chores: list[Callable[[Any], None]] = []
+
+    def silent(self) -> list[int]:
+        return self._silent
+
+    def add_chore(self, chore: Callable[[Any], None]) -> None:
+        self.chores.append(chore)
+
+
+def _checker(
+    store: MemoryStore,
+    rank: int,
+    *,
+    enabled: bool = True,
+    timeout: float = 20.0,
+    heartbeat: FakeHeartbeat | None = None,
+    overlap: bool = False,
+    world: int = 2,
+) -> CollectiveChecker:
+    return CollectiveChecker(
+        store,
+        rank,
+        world,
+        timeout=timeout,
+        heartbeat=heartbeat,
+        names=[f"/job:worker/replica:0/task:{r}" for r in range(world)],
+        addresses=[f"10.0.0.{r + 1}:2222" for r in range(world)],
+        enabled=enabled,
+        overlap_writes=overlap,
+    )
+
+
+def _together(*calls: Callable[[], None]) -> list[BaseException | None]:
+    """Runs each worker's calls on its own thread; what each raised (None: nothing)."""
+    raised: list[BaseException | None] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            calls[i]()
+        except BaseException as e:  # reported to the test
+            raised[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "a worker's check did not return"
+    return raised
+
+
+def _line_of(text: str) -> int:
+    """The line number of ``text`` in this file (the call sites the messages name)."""
+    lines = Path(__file__).read_text().splitlines()
+    hits = [n for n, line in enumerate(lines, start=1) if line.endswith(text)]
+    assert len(hits) == 1, (text, hits)
+    return hits[0]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["write-then-wait", "overlapped"])
+def test_agreeing_workers_pass_and_old_signatures_are_deleted(overlap: bool) -> None:
+    store = MemoryStore()
+    beats = [FakeHeartbeat(), FakeHeartbeat()]
+    checkers = [_checker(store, r, heartbeat=beats[r], overlap=overlap) for r in range(2)]
+
+    def steps(rank: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(3):
+                with collective_intent("SUM"):
+                    checkers[rank].check("all_reduce", np.dtype(np.float32), (3,))
+            checkers[rank].check("all_gather", np.dtype(np.int64), (4 + rank, 2), axis=0)
+
+        return run
+
+    assert _together(steps(0), steps(1)) == [None, None]
+    assert [c.seq for c in checkers] == [4, 4] and [c.enabled for c in checkers] == [True, True]
+    assert store.data["cc/1/0"].startswith("all_reduce(SUM) of float32[3]\ntest_collective")
+    assert store.data["cc/4/1"].startswith("all_gather(axis=0) of int64[*,2]\n")
+    for beat in beats:
+        for chore in beat.chores:
+            chore(store)  # what the heartbeat thread does after each beat
+    # Every worker published #4, so all are past their check of #3: #1-#3 are gone.
+    assert sorted(k for k in store.data if not k.startswith("cc/mode")) == ["cc/4/0", "cc/4/1"]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["write-then-wait", "overlapped"])
+def test_different_ops_raise_on_every_worker_naming_both_calls(overlap: bool) -> None:
+    store = MemoryStore()
+    a, b = _checker(store, 0, overlap=overlap), _checker(store, 1, overlap=overlap)
+
+    def worker0() -> None:
+        with collective_intent("SUM", lambda: "train.py:10 in step"):
+            a.check("all_reduce", np.dtype(np.float32), (3,))
+
+    def worker1() -> None:
+        b.check("all_gather", np.dtype(np.float32), (3,), axis=0)  # the call site: this line
+
+    raised = _together(worker0, worker1)
+    line = _line_of("# the call site: this line")
+    for e in raised:
+        assert isinstance(e, CollectiveMismatchError)
+        lines = str(e).splitlines()
+        assert lines[0].startswith("Workers disagree on their collective #1;")
+        assert lines[1] == (
+            "  worker 0 (/job:worker/replica:0/task:0 at 10.0.0.1:2222): all_reduce(SUM) of "
+            "float32[3] at train.py:10 in step"
+        )
+        assert lines[2] == (
+            "  worker 1 (/job:worker/replica:0/task:1 at 10.0.0.2:2222): all_gather(axis=0) of "
+            f"float32[*] at test_collective_check.py:{line} in worker1"
+        )
+        assert "Every worker must call the same collectives" in lines[3]
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs"),
+    [
+        (("SUM", "float32", (3,), None), ("MEAN", "float32", (3,), None)),  # reduce op
+        (("SUM", "float32", (3,), None), ("SUM", "int32", (3,), None)),  # dtype, same bytes
+        (("SUM", "float32", (3,), None), ("SUM", "float32", (1, 3), None)),  # rank
+        ((None, "float32", (4, 3), 0), (None, "float32", (4, 2), 0)),  # gather: other dims
+        ((None, "float32", (4, 3), 0), (None, "float32", (4, 3), 1)),  # gather: axis
+    ],
+)
+def test_any_difference_but_the_gathered_size_is_a_mismatch(
+    mine: tuple[Any, ...], theirs: tuple[Any, ...]
+) -> None:
+    store = MemoryStore()
+    checkers = [_checker(store, 0), _checker(store, 1)]
+
+    def call(c: CollectiveChecker, spec: tuple[Any, ...]) -> Callable[[], None]:
+        reduce_op, dtype, shape, axis = spec
+
+        def run() -> None:
+            with collective_intent(reduce_op):
+                op = "all_reduce" if axis is None else "all_gather"
+                c.check(op, np.dtype(dtype), shape, axis)
+
+        return run
+
+    raised = _together(call(checkers[0], mine), call(checkers[1], theirs))
+    assert all(isinstance(e, CollectiveMismatchError) for e in raised), raised
+
+
+def test_with_three_workers_the_odd_one_out_makes_all_raise() -> None:
+    store = MemoryStore()
+    checkers = [_checker(store, r, world=3) for r in range(3)]
+
+    def call(rank: int) -> Callable[[], None]:
+        size = 4 if rank == 2 else 3
+        return lambda: checkers[rank].check("all_reduce", np.dtype(np.float32), (size,))
+
+    raised = _together(call(0), call(1), call(2))
+    for e in raised:
+        assert isinstance(e, CollectiveMismatchError)
+        assert "\n  worker 1 (/job:worker/replica:0/task:1 at 10.0.0.2:2222): all_reduce of " in (
+            str(e)
+        )
+        assert "): all_reduce of float32[4] at " in str(e)
+        assert str(e).count("all_reduce of float32[3] at ") == 2
+
+
+def test_gathers_of_different_sizes_along_the_axis_agree() -> None:
+    store = MemoryStore()
+    a, b = _checker(store, 0), _checker(store, 1)
+    raised = _together(
+        lambda: a.check("all_gather", np.dtype(np.float32), (4, 3), axis=0),
+        lambda: b.check("all_gather", np.dtype(np.float32), (1, 3), axis=0),
+    )
+    assert raised == [None, None]
+
+
+def test_a_compiled_step_is_compared_by_name() -> None:
+    store = MemoryStore()
+    a, b = _checker(store, 0), _checker(store, 1)
+    assert _together(lambda: a.check("strategy.run"), lambda: b.check("strategy.run")) == [
+        None,
+        None,
+    ]
+    raised = _together(
+        lambda: a.check("strategy.run"),
+        lambda: b.check("all_reduce", np.dtype(np.float32), ()),
+    )
+    assert all(isinstance(e, CollectiveMismatchError) for e in raised)
+    assert "): strategy.run at " in str(raised[0])
+    assert "): all_reduce of float32[] at " in str(raised[0])
+
+
+def test_a_worker_that_left_is_named_by_the_one_still_calling() -> None:
+    store = MemoryStore()
+    a, b = _checker(store, 0), _checker(store, 1)
+    assert _together(
+        lambda: a.check("broadcast", np.dtype(np.float32), (2,)),
+        lambda: b.check("broadcast", np.dtype(np.float32), (2,)),
+    ) == [None, None]
+    b.leave()
+    with pytest.raises(CollectiveMismatchError) as info:
+        a.check("broadcast", np.dtype(np.float32), (2,))
+    assert (
+        "  worker 1 (/job:worker/replica:0/task:1 at 10.0.0.2:2222): left the cluster after 1 "
+        "collective(s) (its program ended, or it called shutdown)"
+    ) in str(info.value)
+
+
+def test_checks_run_only_when_every_worker_has_them_on() -> None:
+    store = MemoryStore()
+    a, b = _checker(store, 0), _checker(store, 1, enabled=False)
+    raised = _together(
+        lambda: a.check("all_reduce", np.dtype(np.float32), (3,)),
+        lambda: b.check("all_gather", np.dtype(np.float32), (5,), axis=0),
+    )
+    assert raised == [None, None]  # not compared: worker 1 turned the check off
+    assert (a.enabled, b.enabled) == (False, False) and (a.seq, b.seq) == (1, 1)
+    assert sorted(store.data) == ["cc/mode/0", "cc/mode/1"]
+
+
+def test_a_missing_peer_ends_the_wait_after_the_timeout() -> None:
+    store = MemoryStore()
+    _checker(store, 1)  # joined, then never reaches the collective
+    a = _checker(store, 0, timeout=0.3)
+    with pytest.raises(PeerMissing, match=r"timed out after 0.3 s .* reach collective #1"):
+        a.check("all_reduce", np.dtype(np.float32), (3,))
+
+
+def test_a_silent_peer_ends_the_wait_before_the_timeout() -> None:
+    store = MemoryStore()
+    _checker(store, 1)
+    a = _checker(store, 0, timeout=600, heartbeat=FakeHeartbeat(silent=[1]))
+    with pytest.raises(PeerMissing, match=r"worker\(s\) 1 stopped sending heartbeats"):
+        a.check("all_reduce", np.dtype(np.float32), (3,))
+
+
+def test_the_outermost_intent_wins() -> None:
+    store = MemoryStore()
+    a, b = _checker(store, 0), _checker(store, 1)
+
+    def nested(c: CollectiveChecker) -> Callable[[], None]:
+        def run() -> None:
+            with collective_intent("MEAN"), collective_intent("SUM"):
+                c.check("all_reduce", np.dtype(np.float32), ())
+
+        return run
+
+    assert _together(nested(a), nested(b)) == [None, None]
+    assert store.data["cc/1/0"].startswith("all_reduce(MEAN) of float32[]\n")
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("0", False), ("off", False)])
+def test_the_environment_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: bool
+) -> None:
+    monkeypatch.setenv(CHECK_ENV, value)
+    assert checks_enabled() is expected
+
+
+def test_a_bad_environment_variable_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CHECK_ENV, "sometimes")
+    with pytest.raises(ValueError, match=r"POLYDIST_CHECK_COLLECTIVES='sometimes': expected 1"):
+        checks_enabled()
+
+
+def test_heartbeats_name_a_silent_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_multi_process, "HEARTBEAT_SECONDS", 0.05)
+    store = MemoryStore()
+    watcher = Heartbeat(lambda: store, 0, 3, lambda: 0)
+    alive = Heartbeat(lambda: store, 1, 3, lambda: 0)  # worker 2 never beats
+    try:
+        deadline = time.monotonic() + 10
+        while watcher.silent(0.5) != [2] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.silent(0.5) == [2]
+        alive.stop(wait=5)
+        while watcher.silent(0.5) != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.silent(0.5) == [1, 2]
+    finally:
+        watcher.stop(wait=5)
+        alive.stop(wait=5)

@@ -1,0 +1,109 @@
+"""EagerReplicaRunner: lone replicas run inline in thread mode; runs keep nothing alive."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import polydist as pd
+from polydist.backend import EagerReplicaRunner, busy_workers
+from polydist_sim import SimBackend
+
+
+def _ctx() -> pd.ReplicaContext:
+    ctx = pd.get_replica_context()
+    assert ctx is not None
+    return ctx
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """Only reference counting frees objects: a reference cycle would keep them."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_runs_inline() -> None:
+    assert EagerReplicaRunner("thread").runs_inline(1)
+    assert not EagerReplicaRunner("thread").runs_inline(2)
+    assert not EagerReplicaRunner("greenlet").runs_inline(1)
+
+
+@pytest.mark.usefixtures("no_gc")
+@pytest.mark.parametrize("mode", ["greenlet", "thread"])
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_run_keeps_neither_its_arguments_nor_its_results(mode: str, replicas: int) -> None:
+    strategy = pd.MirroredStrategy(replicas, backend=SimBackend(replica_mode=mode))  # type: ignore[arg-type]
+    arg = np.arange(4, dtype=np.float32)
+
+    def fn(x: Any) -> Any:
+        return _ctx().all_reduce("SUM", x) + _ctx().replica_id_in_sync_group
+
+    out = strategy.run(fn, args=(arg,))
+    results = [weakref.ref(r) for r in strategy.experimental_local_results(out)]
+    assert [np.asarray(r()).tolist() for r in results] == [
+        [replicas * i + r for i in range(4)] for r in range(replicas)
+    ]
+    arg_ref = weakref.ref(arg)
+    del out, arg
+    assert all(r() is None for r in results)
+    assert arg_ref() is None
+
+
+def test_a_lone_thread_mode_replica_runs_on_the_calling_thread() -> None:
+    strategy = pd.MirroredStrategy(1, backend=SimBackend(replica_mode="thread"))
+    seen: dict[str, Any] = {}
+
+    def merge_fn(s: pd.Strategy, value: Any) -> Any:
+        seen["merge_thread"] = threading.get_ident()
+        seen["merge_replica_context"] = pd.get_replica_context()
+        seen["merge_cross_replica"] = pd.in_cross_replica_context()
+        return s.reduce("SUM", value, axis=None)
+
+    def fn() -> Any:
+        seen["replica_thread"] = threading.get_ident()
+        total = _ctx().all_reduce("SUM", np.float32(2.0))
+        return _ctx().merge_call(merge_fn, args=(total * 3,))
+
+    out = strategy.run(fn)
+    assert float(out) == 6.0
+    here = threading.get_ident()
+    assert seen["replica_thread"] == seen["merge_thread"] == here
+    assert seen["merge_replica_context"] is None and seen["merge_cross_replica"] is True
+    assert pd.get_replica_context() is not None  # the default context again, outside run
+    assert not pd.in_cross_replica_context()
+    assert busy_workers() == 0
+
+
+def test_several_thread_mode_replicas_still_get_threads() -> None:
+    strategy = pd.MirroredStrategy(2, backend=SimBackend(replica_mode="thread"))
+
+    def fn() -> Any:
+        _ctx().all_reduce("SUM", np.float32(1.0))  # both wait here, each on its thread
+        return threading.get_ident()
+
+    out = strategy.run(fn)
+    threads = set(strategy.experimental_local_results(out))
+    assert len(threads) == 2 and threading.get_ident() not in threads
+
+
+def test_a_lone_replica_s_error_reaches_the_caller() -> None:
+    strategy = pd.MirroredStrategy(1, backend=SimBackend(replica_mode="thread"))
+
+    def fn() -> Any:
+        _ctx().all_reduce("SUM", np.float32(1.0))
+        raise KeyError("from the replica")
+
+    with pytest.raises(KeyError, match="from the replica"):
+        strategy.run(fn)
+    assert float(strategy.run(lambda: _ctx().all_reduce("SUM", np.float32(1.5)))) == 1.5
