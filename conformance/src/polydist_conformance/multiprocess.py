@@ -54,14 +54,15 @@ def regression_data() -> tuple[np.ndarray, np.ndarray]:
     return x, y[:, None]
 
 
-def _components(strategy: pd.Strategy, value: Any) -> list[np.ndarray]:
+def local_components(strategy: pd.Strategy, value: Any) -> list[np.ndarray]:
     """The components this process holds, as NumPy (every worker's on the sim)."""
     backend = strategy.extended.backend
     values = value.values if isinstance(value, pd.DistributedValues) else (value,)
     return [np.asarray(backend.to_numpy(v)) for v in values]
 
 
-def _one(strategy: pd.Strategy, value: Any) -> np.ndarray:
+def as_numpy(strategy: pd.Strategy, value: Any) -> np.ndarray:
+    """One value (a cross-replica result), as NumPy."""
     return np.asarray(strategy.extended.backend.to_numpy(value))
 
 
@@ -75,11 +76,11 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     """Per-replica results (lists) and cross-replica results (one-element lists)."""
     out: dict[str, list[np.ndarray]] = {}
     ids = strategy.run(lambda: _ctx().replica_id_in_sync_group)
-    out["replica_id"] = _components(strategy, ids)
+    out["replica_id"] = local_components(strategy, ids)
     values = strategy.experimental_distribute_values_from_function(
         lambda c: _data(c.replica_id_in_sync_group)
     )
-    out["local_values"] = _components(strategy, values)
+    out["local_values"] = local_components(strategy, values)
     ints = strategy.experimental_distribute_values_from_function(
         lambda c: np.arange(5, dtype=np.int32) * (c.replica_id_in_sync_group + 1)
     )
@@ -89,24 +90,30 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
             + 10 * c.replica_id_in_sync_group
         )
     )
-    out["all_reduce_sum"] = _components(
+    out["all_reduce_sum"] = local_components(
         strategy, strategy.run(lambda v: _ctx().all_reduce(pd.ReduceOp.SUM, v), args=(values,))
     )
-    out["all_reduce_mean"] = _components(
+    out["all_reduce_mean"] = local_components(
         strategy, strategy.run(lambda v: _ctx().all_reduce(pd.ReduceOp.MEAN, v), args=(values,))
     )
-    out["all_reduce_int"] = _components(
+    out["all_reduce_int"] = local_components(
         strategy, strategy.run(lambda v: _ctx().all_reduce(pd.ReduceOp.SUM, v), args=(ints,))
     )
-    out["all_gather"] = _components(
+    out["all_gather"] = local_components(
         strategy, strategy.run(lambda v: _ctx().all_gather(v, axis=0), args=(uneven,))
     )
-    out["reduce_sum"] = [_one(strategy, strategy.reduce(pd.ReduceOp.SUM, values, axis=None))]
-    out["reduce_mean"] = [_one(strategy, strategy.reduce(pd.ReduceOp.MEAN, values, axis=None))]
-    out["reduce_int_mean"] = [_one(strategy, strategy.reduce(pd.ReduceOp.MEAN, ints, axis=None))]
-    out["reduce_axis_mean"] = [_one(strategy, strategy.reduce(pd.ReduceOp.MEAN, uneven, axis=0))]
-    out["gather"] = [_one(strategy, strategy.gather(uneven, axis=0))]
-    out["host_sum"] = [_one(strategy, strategy.reduce(pd.ReduceOp.SUM, np.float32(1.5), axis=None))]
+    out["reduce_sum"] = [as_numpy(strategy, strategy.reduce(pd.ReduceOp.SUM, values, axis=None))]
+    out["reduce_mean"] = [as_numpy(strategy, strategy.reduce(pd.ReduceOp.MEAN, values, axis=None))]
+    out["reduce_int_mean"] = [
+        as_numpy(strategy, strategy.reduce(pd.ReduceOp.MEAN, ints, axis=None))
+    ]
+    out["reduce_axis_mean"] = [
+        as_numpy(strategy, strategy.reduce(pd.ReduceOp.MEAN, uneven, axis=0))
+    ]
+    out["gather"] = [as_numpy(strategy, strategy.gather(uneven, axis=0))]
+    out["host_sum"] = [
+        as_numpy(strategy, strategy.reduce(pd.ReduceOp.SUM, np.float32(1.5), axis=None))
+    ]
     flags = strategy.experimental_distribute_values_from_function(
         lambda c: np.array([True, c.replica_id_in_sync_group % 2 == 0])
     )
@@ -163,9 +170,9 @@ def sgd(strategy: pd.Strategy, steps: int) -> dict[str, list[np.ndarray]]:
     out: dict[str, list[np.ndarray]] = {}
     for step, batch in zip(range(steps), dist):
         local, total = sgd_step(strategy, w, batch)
-        out[f"sgd_local_{step}"] = _components(strategy, local)
-        out[f"sgd_total_{step}"] = _components(strategy, total)
-        out[f"sgd_w_{step}"] = [_one(strategy, w.read_value())]
+        out[f"sgd_local_{step}"] = local_components(strategy, local)
+        out[f"sgd_total_{step}"] = local_components(strategy, total)
+        out[f"sgd_w_{step}"] = [as_numpy(strategy, w.read_value())]
     return out
 
 
@@ -221,7 +228,8 @@ def mismatch(strategy: pd.Strategy, case: str, rank: int) -> None:
         raise ValueError(f"unknown mismatch case {case!r}; expected one of {MISMATCH_CASES}")
 
 
-def _save(path: Path, results: dict[str, list[np.ndarray]]) -> None:
+def save(path: Path, results: dict[str, list[np.ndarray]]) -> None:
+    """Writes ``results`` for `load`."""
     arrays = {f"{k}#{i}": v for k, vs in results.items() for i, v in enumerate(vs)}
     np.savez(path, **arrays)  # type: ignore[arg-type]  # stubs type savez kwargs as flags
 
@@ -256,10 +264,10 @@ def _train(strategy: pd.Strategy, args: argparse.Namespace, out: Path, rank: int
         if args.slow:
             (out / f"progress{rank}").write_text(str(step))
             time.sleep(args.slow)
-    _save(
+    save(
         out / f"train{rank}.npz",
         {
-            "w": [_one(strategy, w.read_value())],
+            "w": [as_numpy(strategy, w.read_value())],
             "saved": [np.asarray(saved)],
             "start": [np.asarray(start)],
         },
@@ -286,7 +294,7 @@ def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
         strategy = make_strategy(args)
         (out / f"joined{rank}").write_text(f"{time.time()}")
         if args.mode == "compute":
-            _save(out / f"worker{rank}.npz", program(strategy, args.steps))
+            save(out / f"worker{rank}.npz", program(strategy, args.steps))
         elif args.mode == "train":
             _train(strategy, args, out, rank)
         elif args.mode == "mismatch":

@@ -19,7 +19,15 @@ from typing import Any
 import numpy as np
 
 import polydist as pd
-from polydist_conformance.multiprocess import D, load, main, program
+from polydist_conformance.multiprocess import (
+    D,
+    as_numpy,
+    load,
+    local_components,
+    main,
+    program,
+    save,
+)
 
 __all__ = ["D", "STEPS", "compiled_program", "load", "program"]
 
@@ -42,17 +50,6 @@ def _ctx() -> pd.ReplicaContext:
     ctx = pd.get_replica_context()
     assert ctx is not None
     return ctx
-
-
-def _local(strategy: pd.Strategy, value: Any) -> list[np.ndarray]:
-    """The components this process holds (every worker's on the sim)."""
-    backend = strategy.extended.backend
-    values = value.values if isinstance(value, pd.DistributedValues) else (value,)
-    return [np.asarray(backend.to_numpy(v)) for v in values]
-
-
-def _one(strategy: pd.Strategy, value: Any) -> np.ndarray:
-    return np.asarray(strategy.extended.backend.to_numpy(value))
 
 
 def compiled_program(strategy: pd.Strategy, steps: int = STEPS) -> dict[str, list[np.ndarray]]:
@@ -84,9 +81,9 @@ def compiled_program(strategy: pd.Strategy, steps: int = STEPS) -> dict[str, lis
         )
         results = strategy.run(step, args=(x, 2.0))
         for name, value in zip(names, results, strict=True):
-            out[f"{name}_{s}"] = _local(strategy, value)
-        out[f"w_{s}"] = [_one(strategy, w.read_value())]
-        out[f"seen_{s}"] = [_one(strategy, seen.read_value())]
+            out[f"{name}_{s}"] = local_components(strategy, value)
+        out[f"w_{s}"] = [as_numpy(strategy, w.read_value())]
+        out[f"seen_{s}"] = [as_numpy(strategy, seen.read_value())]
     made: list[Any] = []
 
     def extras(x: Any) -> Any:
@@ -96,15 +93,15 @@ def compiled_program(strategy: pd.Strategy, steps: int = STEPS) -> dict[str, lis
         return host, x + made[-1].read_value()
 
     host, plus = strategy.run(extras, args=(x,))
-    out["host_in_merge_call"] = _local(strategy, host)
-    out["plus_made"] = _local(strategy, plus)
-    out["made"] = [_one(strategy, made[-1].read_value())]
+    out["host_in_merge_call"] = local_components(strategy, host)
+    out["plus_made"] = local_components(strategy, plus)
+    out["made"] = [as_numpy(strategy, made[-1].read_value())]
     # Worker 0's replicas hold 2 elements, worker 1's 3: even on each worker, not across.
     uneven = strategy.experimental_distribute_values_from_function(
         lambda c: np.arange(2 + c.replica_id_in_sync_group // D, dtype=np.float32)
     )
     gathered = strategy.run(lambda v: _ctx().all_gather(v, axis=0), args=(uneven,))
-    out["uneven_gather"] = _local(strategy, gathered)
+    out["uneven_gather"] = local_components(strategy, gathered)
     return out
 
 
@@ -122,8 +119,7 @@ def _compiled_main() -> None:
         backend: Any = strategy.extended.backend
         results["compile_count"] = [np.asarray(backend.compile_count)]
         results["eager_fallback_count"] = [np.asarray(backend.eager_fallback_count)]
-        arrays = {f"{k}#{i}": v for k, vs in results.items() for i, v in enumerate(vs)}
-        np.savez(out / f"compiled{rank}.npz", **arrays)  # type: ignore[arg-type]
+        save(out / f"compiled{rank}.npz", results)
     except Exception as e:
         message = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
         (out / f"error{rank}.json").write_text(json.dumps(message))

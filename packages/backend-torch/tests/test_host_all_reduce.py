@@ -1,6 +1,6 @@
 """ResultCache: recycled host memory for the results of cross-process collectives.
 
-The ring all-reduce itself needs several processes: see
+The all-reduce that uses it needs several processes: see
 test_multi_worker_out_of_place.py.
 """
 

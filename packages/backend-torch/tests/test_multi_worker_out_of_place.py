@@ -1,9 +1,9 @@
-"""The out-of-place all-reduce across worker processes: ring, recycled memory, TF semantics.
+"""The out-of-place all-reduce across worker processes: recycled memory, TF semantics.
 
 Workers (``mw_out_of_place.py``) run under ``polydist launch`` on 127.0.0.1:
 2 workers (one exact rounding per element, so even random floats must match
-NumPy's sum bit for bit) and 3 (a real ring: chunks travel through a third
-process; integer-valued data, so every summation order is exact).
+NumPy's sum bit for bit) and 3 (gloo's ring order; integer-valued data, so
+every summation order is exact).
 """
 
 from __future__ import annotations
@@ -105,18 +105,6 @@ def _check_rounding(got: np.ndarray, terms: list[np.ndarray]) -> None:
     assert (np.abs(got.astype(np.float64) - exact) <= bound).all()
 
 
-def test_the_ring_runs_for_large_tensors_only(run: tuple[int, list[dict[str, np.ndarray]]]) -> None:
-    _, results = run
-    for r in results:
-        # Every case but 'small' (5 elements): float16 is 600 KB, under RING_MIN_BYTES, too.
-        ring_cases = [c for c in program.CASES if c not in ("small", "float16")]
-        assert len(r["group_rings"]) == len(ring_cases), r["group_rings"]
-        # complex64 goes as its real view: twice the elements.
-        assert sorted(r["group_rings"].tolist()) == sorted(
-            2 * program.BIG if c == "complex64" else _input(c, 0).size for c in ring_cases
-        )
-
-
 def test_strategy_one_replica_per_worker(run: tuple[int, list[dict[str, np.ndarray]]]) -> None:
     workers, results = run
     total = _sum("ints", workers)
@@ -129,8 +117,6 @@ def test_strategy_one_replica_per_worker(run: tuple[int, list[dict[str, np.ndarr
         assert bool(r["one_recycled"]), "the dropped result's memory was not reused"
         assert bool(r["one_held_kept"])
         assert np.array_equal(r["one_reduce"], total)
-        # The strategy's runs went through the ring, after the group cases.
-        assert len(r["rings"]) > len(r["group_rings"])
 
 
 def test_strategy_two_replicas_per_worker(run: tuple[int, list[dict[str, np.ndarray]]]) -> None:
@@ -145,8 +131,8 @@ def test_strategy_two_replicas_per_worker(run: tuple[int, list[dict[str, np.ndar
         )
 
 
-def test_a_stalled_peer_in_the_ring_is_named_after_the_timeout(tmp_path: Path) -> None:
-    # Without the collective check, the stalled peer is met inside the ring's send/recv.
+def test_a_stalled_peer_is_named_after_the_timeout(tmp_path: Path) -> None:
+    # Without the collective check, the stalled peer is met inside gloo's all_reduce.
     result, log = _launch_workers(2, tmp_path, "stall", env={"POLYDIST_CHECK_COLLECTIVES": "0"})
     assert result.exit_code == 17 and result.failed_worker == 0, log
     error = json.loads((tmp_path / "error0.json").read_text())

@@ -335,3 +335,29 @@ def test_heartbeats_name_a_silent_worker(monkeypatch: pytest.MonkeyPatch) -> Non
     finally:
         watcher.stop(wait=5)
         alive.stop(wait=5)
+
+
+def test_worker_0_raises_a_mismatch_only_after_the_others_have_read_it() -> None:
+    # Worker 0's process holds the store: leaving first would make a slower peer see
+    # "worker 0 unavailable" instead of the mismatch.
+    store = MemoryStore()
+    first, second = _checker(store, 0), _checker(store, 1)
+    store.set("cc/mode/1", "1")
+    store.set("cc/1/1", "all_reduce(SUM) of float32[4]\npeer.py:1")
+    raised_at: list[float] = []
+
+    def worker_0() -> None:
+        with pytest.raises(CollectiveMismatchError):
+            first.check("all_reduce", np.dtype("float32"), (3,))
+        raised_at.append(time.monotonic())
+
+    thread = threading.Thread(target=worker_0)
+    thread.start()
+    time.sleep(0.3)
+    assert not raised_at, "worker 0 raised before worker 1 read the signatures"
+    seen_at = time.monotonic()
+    with pytest.raises(CollectiveMismatchError, match=r"float32\[3\]"):
+        second.check("all_reduce", np.dtype("float32"), (4,))
+    thread.join(10)
+    assert raised_at and raised_at[0] >= seen_at
+    assert store.data["cc/1/seen/0"] == store.data["cc/1/seen/1"] == "1"

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import cast
 
 import pytest
 
 from polydist import _multi_process as mp
+from polydist import errors
+from polydist.backend import Capabilities, ReplicaChannel
 from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver, TFConfigClusterResolver
 from polydist.experimental import CommunicationOptions
 
@@ -114,3 +117,169 @@ def test_describe_workers() -> None:
     assert mp.describe_workers([0, 1], names) == (
         "0 (/job:worker/replica:0/task:0), 1 (/job:worker/replica:0/task:1)"
     )
+
+
+def test_resolve_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = ClusterSpec({"worker": ["w0:1", "w1:2"]})
+    given = SimpleClusterResolver(spec, task_type="worker", task_id=1)
+    options = CommunicationOptions(timeout_seconds=7)
+    cluster = mp.resolve_cluster(given, options, "RANK", "WORLD_SIZE", "h:9", what="torchrun")
+    assert cluster.resolver is given
+    assert (cluster.addresses, cluster.rendezvous, cluster.timeout) == (["w0:1", "w1:2"], "w0:1", 7)
+    # No resolver: the launcher's variables (TF_CONFIG would win).
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cluster = mp.resolve_cluster(None, None, "RANK", "WORLD_SIZE", "h:9", what="torchrun")
+    assert (cluster.resolver.task_type, cluster.resolver.task_id) == ("worker", 1)
+    assert cluster.addresses == ["h:9", "unknown (torchrun rank 1)"]
+    assert (cluster.rendezvous, cluster.timeout) == ("h:9", mp.DEFAULT_TIMEOUT_SECONDS)
+    # A cluster without this worker's task: no addresses (the strategy says what is missing).
+    untasked = mp.resolve_cluster(SimpleClusterResolver(spec), None, "R", "W", None, what="x")
+    assert (untasked.addresses, untasked.rendezvous) == ([], "w0:1")
+
+
+def test_check_joining() -> None:
+    assert mp.check_joining(1, 2, None) is False
+    assert mp.check_joining(1, 2, (1, 2)) is True
+    with pytest.raises(ValueError, match="worker_index 2 is out of range for a cluster of 2"):
+        mp.check_joining(2, 2, None)
+    with pytest.raises(ValueError, match="already is worker 0 of a cluster of 2; it cannot also"):
+        mp.check_joining(1, 2, (0, 2))
+
+
+def test_worker_task_names_and_capabilities() -> None:
+    devices = [
+        ["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:0/device:GPU:0"],
+        ["/job:chief/replica:0/task:0/device:CPU:0"],
+    ]
+    assert mp.worker_task_names(devices) == [
+        "/job:worker/replica:0/task:0",
+        "/job:chief/replica:0/task:0",
+    ]
+    caps = mp.process_capabilities(Capabilities(reduction_orders=("sequential",)))
+    assert caps.multi_worker and caps.reduction_orders == ()
+    assert caps.simulated_clusters is False
+
+
+class _Membership(mp.ClusterMembership):
+    engine_errors = (RuntimeError,)
+
+    def translate(self, what: str, err: BaseException) -> errors.OpError:
+        dead, behind = self.diagnose()
+        return errors.UnavailableError(f"{self.collective(what)}: {err}; {dead} {behind}")
+
+
+class _Checker:
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+        self.calls: list[tuple[object, ...]] = []
+
+    def check(self, *signature: object) -> None:
+        self.calls.append(signature)
+        if self.error is not None:
+            raise self.error
+
+
+def _membership(checker: _Checker | None = None) -> _Membership:
+    names = ["/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"]
+    member = _Membership(rank=0, world_size=2, timeout=3, names=names, addresses=["a:1", "b:2"])
+    member.checker = checker  # type: ignore[assignment]
+    return member
+
+
+def test_a_failed_collective_fails_the_cluster() -> None:
+    member = _membership()
+    assert member.call("all_reduce", lambda: 5) == 5
+    with pytest.raises(errors.UnavailableError) as raised:
+        member.call("all_gather", lambda: _raise(RuntimeError("peer gone")))
+    # No heartbeat: nobody is named.
+    expected = "all_gather (collective #2 of worker 0) across 2 workers: peer gone; [] []"
+    assert str(raised.value) == expected
+    assert member.failure is raised.value and member.collectives == 2
+    with pytest.raises(errors.UnavailableError, match="all_reduce cannot run: the cluster failed"):
+        member.call("all_reduce", lambda: 5)
+    assert member.collectives == 2
+    # What the engine does not list as its errors passes through.
+    other = _membership()
+    with pytest.raises(KeyError):
+        other.call("broadcast", lambda: _raise(KeyError("bug")))
+    assert other.failure is None
+
+
+def test_check_signature() -> None:
+    agreeing = _Checker(None)
+    member = _membership(agreeing)
+    member.check_signature("all_reduce", "float32", (3,), None)
+    assert agreeing.calls == [("all_reduce", "float32", (3,), None)]
+    mismatch = errors.CollectiveMismatchError("Workers disagree")
+    member = _membership(_Checker(mismatch))
+    with pytest.raises(errors.CollectiveMismatchError):
+        member.check_signature("all_reduce")
+    assert member.failure is None  # no worker issued it: still usable
+    member = _membership(_Checker(RuntimeError("store gone")))
+    with pytest.raises(errors.UnavailableError, match=r"all_reduce \(collective #1 of worker 0"):
+        member.check_signature("all_reduce")
+    assert member.collectives == 1 and member.failure is not None
+    member.check_signature("all_reduce")  # a failed cluster checks nothing (call raises)
+    _membership(None).check_signature("all_reduce")  # nor one without a store
+
+
+def test_membership_names_the_workers() -> None:
+    member = _membership()
+    assert member.describe([1]) == "1 (/job:worker/replica:0/task:1 at b:2)"
+    assert member.collective("all_reduce", 4) == (
+        "all_reduce (collective #4 of worker 0) across 2 workers"
+    )
+    assert member.unavailable([1]) == (
+        "worker(s) 1 (/job:worker/replica:0/task:1 at b:2) unavailable: its process stopped "
+        "sending heartbeats (it exited, crashed, hung or lost its network)"
+    )
+    assert member.behind([1]).startswith(
+        "worker(s) 1 (/job:worker/replica:0/task:1 at b:2) are alive but did not reach it"
+    )
+
+
+def test_replica_runners_are_per_worker() -> None:
+    seen: list[int] = []
+
+    def channel(inner: ReplicaChannel, replica: int) -> ReplicaChannel:
+        seen.append(replica)
+        return inner
+
+    runners = mp.ReplicaRunners(None, channel)
+
+    class _Extended:
+        def __init__(self, offset: int) -> None:
+            self._replica_offset = offset
+
+    worker1 = runners.of(_Extended(2))
+    assert runners.of(_Extended(2)) is worker1
+    assert runners.of(object()) is not worker1  # one worker: offset 0
+    assert worker1.mode == "thread"
+    inner = cast(ReplicaChannel, object())
+    assert worker1._wrap_channel is not None and worker1._wrap_channel(inner, 1) is inner
+    assert seen == [3]  # worker 1's second replica is replica 3 of all
+
+
+def test_once_per_process() -> None:
+    made: list[object] = []
+
+    def make() -> object:
+        made.append(object())
+        threading.Event().wait(0.05)  # the other threads arrive while it is being made
+        return made[-1]
+
+    get = mp.once_per_process(make)
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda: got.append(get())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(made) == 1
+    assert got == made * 4 and get() is made[0]
+
+
+def _raise(error: Exception) -> None:
+    raise error

@@ -55,6 +55,7 @@ Bounds and faults (``CommunicationOptions.timeout_seconds``, default 60 s):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import math
@@ -64,7 +65,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -73,26 +74,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from polydist import _multi_process as mp
 from polydist import _variables, errors
 from polydist._arrays import describe
 from polydist._cluster import id_in_cluster, worker_count
-from polydist._collective_check import CollectiveChecker, checks_enabled
 from polydist._communication import CommunicationOptions
 from polydist._devices import DeviceSpec
-from polydist._multi_process import (
-    DEFAULT_TIMEOUT_SECONDS,
-    Heartbeat,
-    MultiProcessMirroredStrategy,
-    collective_timeout,
-    default_cluster_resolver,
-    describe_workers,
-    environment_cluster_resolver,
-    rendezvous_address,
-    task_addresses,
-)
-from polydist.backend import EagerReplicaRunner
+from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS, MultiProcessMirroredStrategy
 from polydist.cluster_resolver import ClusterResolver
-from polydist.errors import CollectiveMismatchError
 from polydist_jax import _functional
 from polydist_jax._backend import JaxBackend
 from polydist_jax._eager_grad import DifferentiableChannel
@@ -194,15 +183,7 @@ def _exit_with(message: str, code: int) -> None:
         os._exit(code)
 
 
-_WATCHDOG: list[_Watchdog] = []
-_WATCHDOG_LOCK = threading.Lock()
-
-
-def _watchdog() -> _Watchdog:
-    with _WATCHDOG_LOCK:
-        if not _WATCHDOG:
-            _WATCHDOG.append(_Watchdog())
-        return _WATCHDOG[0]
+_watchdog = mp.once_per_process(_Watchdog)
 
 
 # --------------------------------------------------------------------------- joining
@@ -298,9 +279,7 @@ def _exit_without_jax_shutdown() -> None:
     # Runs before JAX's own exit handlers (registered later). The heartbeat thread must
     # not be inside a call into JAX's C++ client when the interpreter finalizes.
     for cluster in list(_CLUSTERS):
-        if not _FAILED:
-            cluster.checker.leave()  # a peer still at a collective raises CollectiveMismatchError
-        cluster.heartbeat.stop(wait=5.0)
+        cluster.close(wait=5.0)  # leaves the collective check unless the cluster failed
     # After a failed collective JAX's shutdown barrier waits for the dead peer and then
     # aborts; leave without it (exit code 1, as for the uncaught error).
     if _FAILED:
@@ -346,19 +325,15 @@ class _KeyValueStore:
         return values
 
 
-class _Cluster:
+class _Cluster(mp.ClusterMembership):
     """The cross-process half of the collectives: a mesh of one device per process."""
 
     def __init__(
         self, rank: int, world_size: int, timeout: float, names: list[str], addresses: list[str]
     ) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = timeout
-        self.names = names
-        self.addresses = addresses
-        self.collectives = 0
-        self.failure: errors.OpError | None = None
+        super().__init__(
+            rank=rank, world_size=world_size, timeout=timeout, names=names, addresses=addresses
+        )
         by_process: dict[int, list[jax.Device]] = {}
         for d in jax.devices():
             by_process.setdefault(d.process_index, []).append(d)
@@ -373,23 +348,10 @@ class _Cluster:
         self.mesh = Mesh(np.array(self.devices, dtype=object), (_AXIS,))
         self.split = NamedSharding(self.mesh, pspec(_AXIS))
         self.replicated = NamedSharding(self.mesh, pspec())
-        me = weakref.ref(self)
-
-        def count() -> int | None:
-            cluster = me()
-            return None if cluster is None else cluster.collectives
-
-        self.heartbeat = Heartbeat(lambda: _KeyValueStore("polydist/"), rank, world_size, count)
-        # Waits longer than the watchdog: a peer that is alive but late gets its message.
-        self.checker = CollectiveChecker(
-            _KeyValueStore("polydist/"),
-            rank,
-            world_size,
-            timeout=timeout + _JAX_MARGIN_SECONDS,
-            heartbeat=self.heartbeat,
-            names=names,
-            addresses=addresses,
-            enabled=checks_enabled(),
+        # The check waits longer than the watchdog: a peer alive but late gets its message.
+        self.watch(
+            lambda: _KeyValueStore("polydist/"),
+            check_timeout=timeout + _JAX_MARGIN_SECONDS,
             overlap_writes=True,  # each write is a gRPC round trip
         )
         _CLUSTERS.add(self)
@@ -419,52 +381,37 @@ class _Cluster:
         shape = (self.world_size * block.shape[0], *block.shape[1:])
         return jax.make_array_from_single_device_arrays(shape, self.split, [block])
 
-    def _run(self, what: str, fn: Callable[[], Any]) -> Any:
-        if self.failure is not None:
-            raise type(self.failure)(
-                f"{what} cannot run: the cluster failed earlier ({self.failure}). Stop every "
-                "worker and restart them."
-            )
-        self.collectives += 1
-        n = self.collectives
+    @contextlib.contextmanager
+    def _watched(self, what: str) -> Iterator[None]:
+        """The watchdog, armed for the next collective, ``what``."""
+        n = self.collectives + 1
         watchdog = _watchdog()
         watchdog.arm(self.timeout, lambda: self._late_message(what, n))
         try:
-            result = fn()
-            jax.block_until_ready(result)  # type: ignore[no-untyped-call]
-            return result
-        except Exception as e:
-            failure = self._translate(what, e)
-            self.failure = failure
-            _FAILED.append(failure)
-            raise failure from e
+            yield
         finally:
             watchdog.disarm()
 
+    def _run(self, what: str, fn: Callable[[], Any]) -> Any:
+        def completed() -> Any:
+            return jax.block_until_ready(fn())  # type: ignore[no-untyped-call]
+
+        with self._watched(what):
+            return self.call(what, completed)
+
     def check(self, op: str, array: Any = None, axis: int | None = None) -> None:
-        """Before collective ``op`` of ``array`` (None: a compiled step): raises
-        ``CollectiveMismatchError`` unless every worker is about to run the same one (see
-        ``polydist._collective_check``); a late peer meets the watchdog, as in `_run`."""
-        if self.failure is not None:
-            return  # _run raises it
-        n = self.collectives + 1
-        watchdog = _watchdog()
-        watchdog.arm(self.timeout, lambda: self._late_message(op, n))
-        try:
+        """Before collective ``op`` of ``array`` (None: a compiled step): `check_signature`;
+        a late peer meets the watchdog, as in `_run`."""
+        with self._watched(op):
             if array is None:
-                self.checker.check(op)
+                self.check_signature(op)
             else:
-                self.checker.check(op, array.dtype, array.shape, axis)
-        except CollectiveMismatchError:
-            raise  # no worker issued it
-        except Exception as e:  # a peer is gone, or the store (worker 0)
-            self.collectives = n
-            failure = self._translate(op, e)
-            self.failure = failure
-            _FAILED.append(failure)
-            raise failure from e
-        finally:
-            watchdog.disarm()
+                self.check_signature(op, array.dtype, array.shape, axis)
+
+    def failed(self, what: str, err: BaseException) -> errors.OpError:
+        failure = super().failed(what, err)
+        _FAILED.append(failure)  # the process then exits without JAX's shutdown
+        return failure
 
     def psum(self, local: Any) -> Any:
         """The sum of every worker's ``local`` (same shape and dtype everywhere)."""
@@ -490,18 +437,16 @@ class _Cluster:
         rows = np.asarray(self.gather(words, what=_RUN))
         unable = [w for w, row in enumerate(rows) if row[0] == 0]
         if unable:
-            who = describe_workers(unable, self.names, self.addresses)
             return (
-                f"worker(s) {who} cannot compile this call (their replicas' inputs differ "
-                "from one replica to another)"
+                f"worker(s) {self.describe(unable)} cannot compile this call (their replicas' "
+                "inputs differ from one replica to another)"
             )
         differ = [w for w, row in enumerate(rows) if not np.array_equal(row, rows[self.rank])]
         if differ:
-            who = describe_workers(differ, self.names, self.addresses)
             return (
-                f"worker(s) {who} call another program than worker {self.rank}: another "
-                "function, or inputs of other shapes, dtypes or static values (e.g. a "
-                "partial last batch on some workers)"
+                f"worker(s) {self.describe(differ)} call another program than worker "
+                f"{self.rank}: another function, or inputs of other shapes, dtypes or static "
+                "values (e.g. a partial last batch on some workers)"
             )
         return None
 
@@ -509,47 +454,35 @@ class _Cluster:
         """Runs a compiled step across the workers, bounded like every collective."""
         return self._run(_RUN, call)
 
-    def _translate(self, what: str, err: BaseException) -> errors.OpError:
+    def translate(self, what: str, err: BaseException) -> errors.OpError:
         said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        dead, behind = self.heartbeat.diagnose(self.collectives)
-        head = f"{what} (collective #{self.collectives} of worker {self.rank}) across "
-        head += f"{self.world_size} workers"
+        dead, behind = self.diagnose()
+        head = self.collective(what)
         tail = (
             f" JAX said: {said}. The cluster cannot be used any more: stop every worker and "
             "restart them all, from the latest checkpoint."
         )
         if dead:
-            return errors.UnavailableError(
-                f"{head} failed: worker(s) {describe_workers(dead, self.names, self.addresses)} "
-                f"unavailable: its process stopped sending heartbeats (it exited, crashed, hung "
-                f"or lost its network).{tail}"
-            )
+            return errors.UnavailableError(f"{head} failed: {self.unavailable(dead)}.{tail}")
         cls = (
             errors.DeadlineExceededError if "deadline" in said.lower() else errors.UnavailableError
         )
         if behind:
-            who = describe_workers(behind, self.names, self.addresses)
-            return cls(f"{head} failed; worker(s) {who} had not reached it.{tail}")
+            return cls(
+                f"{head} failed; worker(s) {self.describe(behind)} had not reached it.{tail}"
+            )
         return cls(f"{head} failed.{tail}")
 
     def _late_message(self, what: str, n: int) -> str:
-        dead, behind = self.heartbeat.diagnose(n)
+        dead, behind = self.diagnose(n)
         head = (
-            f"DeadlineExceededError: {what} (collective #{n} of worker {self.rank}) across "
-            f"{self.world_size} workers did not complete within {self.timeout:g} s"
+            f"DeadlineExceededError: {self.collective(what, n)} did not complete within "
+            f"{self.timeout:g} s"
         )
         if dead:
-            why = (
-                f"worker(s) {describe_workers(dead, self.names, self.addresses)} unavailable: "
-                "its process stopped sending heartbeats (it exited, crashed, hung or lost its "
-                "network)"
-            )
+            why = self.unavailable(dead)
         elif behind:
-            why = (
-                f"worker(s) {describe_workers(behind, self.names, self.addresses)} are alive but "
-                "did not reach it (stuck, slower than the timeout, or running different "
-                "collectives)"
-            )
+            why = self.behind(behind)
         else:
             why = "every worker looks alive and has reached it"
         return (
@@ -587,17 +520,13 @@ class JaxProcessBackend(JaxBackend):
 
     def __init__(self, *, jit: bool = True, timeout_seconds: float | None = None) -> None:
         super().__init__(jit=jit, eager_fallback=True, timeout_seconds=timeout_seconds)
-        caps = dataclasses.replace(self.capabilities, multi_worker=True, reduction_orders=())
-        if any(f.name == "simulated_clusters" for f in dataclasses.fields(caps)):
-            caps = dataclasses.replace(caps, simulated_clusters=False)  # type: ignore[call-arg, unused-ignore]
-        self.capabilities = caps
+        self.capabilities = mp.process_capabilities(self.capabilities)
         self._compiled = CompiledRunner(mesh_of=self._replica_mesh, group=self._process_group)
-        self._replica_timeout = timeout_seconds
         self._cluster: _Cluster | None = None
         self._task: tuple[str, int] | None = None
         self._timeout = DEFAULT_TIMEOUT_SECONDS
         self._addresses: list[str] = []
-        self._runners: dict[int, EagerReplicaRunner] = {}
+        self._runners = mp.ReplicaRunners(timeout_seconds, DifferentiableChannel)
         if not hasattr(self, "_eager"):
             raise RuntimeError(
                 "polydist_jax.JaxBackend no longer has the _eager runner that JaxProcessBackend "
@@ -705,20 +634,10 @@ class JaxProcessBackend(JaxBackend):
         self, worker_devices: Sequence[Sequence[str]], worker_index: int
     ) -> tuple[int, ...]:
         world = len(worker_devices)
-        if not 0 <= worker_index < world:
-            raise ValueError(
-                f"worker_index {worker_index} is out of range for a cluster of {world} workers."
-            )
-        spec = DeviceSpec.parse(worker_devices[worker_index][0])
-        task = (spec.job, spec.task)
-        if self._cluster is not None:
-            if (self._cluster.rank, self._cluster.world_size) != (worker_index, world):
-                raise ValueError(
-                    f"This process already is worker {self._cluster.rank} of "
-                    f"{self._cluster.world_size}; it cannot also be worker {worker_index} of "
-                    f"{world}. A process joins one cluster."
-                )
+        joined = None if self._cluster is None else (self._cluster.rank, self._cluster.world_size)
+        if mp.check_joining(worker_index, world, joined):
             return (worker_index,)
+        spec = DeviceSpec.parse(worker_devices[worker_index][0])
         if jax.process_count() != world or jax.process_index() != worker_index:
             raise ValueError(
                 f"JAX runs as process {jax.process_index()} of {jax.process_count()}, but the "
@@ -726,11 +645,8 @@ class JaxProcessBackend(JaxBackend):
                 "polydist_jax.MultiWorkerMirroredStrategy before any other JAX call (it runs "
                 "jax.distributed.initialize), or initialize JAX with the same cluster."
             )
-        names = [
-            f"/job:{s.job}/replica:{s.replica}/task:{s.task}"
-            for s in (DeviceSpec.parse(ws[0]) for ws in worker_devices)
-        ]
-        self._task = task
+        names = mp.worker_task_names(worker_devices)
+        self._task = (spec.job, spec.task)
         self._cluster = _Cluster(worker_index, world, self._timeout, names, self._addresses)
         return (worker_index,)
 
@@ -765,18 +681,8 @@ class JaxProcessBackend(JaxBackend):
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
-        # The eager runner (jit=False, or the fallback for uneven inputs): all_gather's
-        # gradient keeps the replica's segment, so the channel needs its global id.
-        offset = int(getattr(extended, "_replica_offset", 0))
-        runner = self._runners.get(offset)
-        if runner is None:
-            runner = EagerReplicaRunner(
-                "thread",
-                self._replica_timeout,
-                wrap_channel=lambda channel, index: DifferentiableChannel(channel, offset + index),
-            )
-            self._runners[offset] = runner
-        self._eager = runner
+        # The eager runner (jit=False, or the fallback for uneven inputs).
+        self._eager = self._runners.of(extended)
         return super().run_replicas(extended, fn, per_replica_args)
 
     # -- collectives -----------------------------------------------------------------------
@@ -889,15 +795,7 @@ class JaxProcessBackend(JaxBackend):
         return copies
 
 
-_SHARED: list[JaxProcessBackend] = []
-_SHARED_LOCK = threading.Lock()
-
-
-def _shared_backend() -> JaxProcessBackend:
-    with _SHARED_LOCK:
-        if not _SHARED:
-            _SHARED.append(JaxProcessBackend())
-        return _SHARED[0]
+_shared_backend = mp.once_per_process(JaxProcessBackend)
 
 
 class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
@@ -933,35 +831,32 @@ class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
     ) -> None:
         if not isinstance(jit, bool):
             raise TypeError(f"jit must be True or False, got {type(jit).__name__} {jit!r}.")
-        if cluster_resolver is None:
-            address = os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get(
-                "POLYDIST_COORDINATOR_ADDRESS"
-            )
-            cluster_resolver = default_cluster_resolver(
-                environment_cluster_resolver(
-                    "POLYDIST_PROCESS_ID", "POLYDIST_NUM_PROCESSES", address, what="polydist launch"
-                )
-            )
-        timeout = collective_timeout(communication_options)
-        spec = cluster_resolver.cluster_spec()
-        task_type, task_id = cluster_resolver.task_type, cluster_resolver.task_id
-        addresses: list[str] = []
+        cluster = mp.resolve_cluster(
+            cluster_resolver,
+            communication_options,
+            "POLYDIST_PROCESS_ID",
+            "POLYDIST_NUM_PROCESSES",
+            os.environ.get("JAX_COORDINATOR_ADDRESS")
+            or os.environ.get("POLYDIST_COORDINATOR_ADDRESS"),
+            what="polydist launch",
+        )
+        spec = cluster.resolver.cluster_spec()
+        task_type, task_id = cluster.resolver.task_type, cluster.resolver.task_id
         if spec and task_type is not None and task_id is not None:
-            addresses = task_addresses(spec, task_type, task_id)
             workers = worker_count(spec, task_type)
             if workers > 1:
                 initialize(
-                    rendezvous_address(cluster_resolver),
+                    cluster.rendezvous,
                     workers,
                     id_in_cluster(spec, task_type, int(task_id)),
                     local_devices=local_devices,
-                    timeout_seconds=timeout,
+                    timeout_seconds=cluster.timeout,
                 )
         if local_devices is not None and not _backends_started():
             _set_cpu_devices(local_devices)
         backend = _shared_backend()
-        backend.prepare(addresses, timeout)
+        backend.prepare(cluster.addresses, cluster.timeout)
         backend.set_jit(jit)
         super().__init__(
-            cluster_resolver, communication_options, backend=backend, local_devices=local_devices
+            cluster.resolver, communication_options, backend=backend, local_devices=local_devices
         )

@@ -1,43 +1,39 @@
-"""Out-of-place all-reduce of host (CPU) tensors across worker processes.
+"""Recycled host memory for the results of out-of-place all-reduces across workers.
 
 TF's ``all_reduce`` returns a new tensor and leaves its input unchanged;
-``torch.distributed.all_reduce`` works in place. Cloning the input and
-reducing the clone in place costs, besides the collective, a copy pass over
-the tensor and, for tensors of more than a few hundred KiB, one page fault per
-4 KiB page of the fresh memory (glibc maps large blocks fresh from the kernel,
-which zeroes every page on first touch). On loopback that adds up to as much
-as the collective itself (``benchmarks/bench_multiworker.py``). Two remedies:
-
-* `ResultCache` recycles the memory of results the program has dropped, as
-  torch's CUDA caching allocator does on GPUs (the CPU allocator has no cache).
-* `ring_all_reduce` runs the ring algorithm (reduce-scatter, then all-gather)
-  over the process group's send/recv: each chunk of the result is received
-  from the previous worker and the local chunk is added to it in place, so
-  the input is only read and no separate copy pass is needed.
+``torch.distributed.all_reduce`` works in place, so the strategy copies the
+input and reduces the copy with gloo's own all_reduce (no collective of our
+own: the engine's is the one users trust). Besides the copy pass, fresh memory
+costs one page fault per 4 KiB page for tensors of more than a few hundred KiB
+(glibc maps large blocks fresh from the kernel, which zeroes every page on
+first touch); on loopback that adds up to as much as the collective itself
+(``benchmarks/bench_multiworker.py``). `ResultCache` recycles the memory of
+results the program has dropped, as torch's CUDA caching allocator does on
+GPUs (the CPU allocator has no cache).
 """
 
 from __future__ import annotations
 
-import datetime
 import threading
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["RING_MIN_BYTES", "ResultCache", "ring_all_reduce"]
+__all__ = ["CACHE_MIN_BYTES", "ResultCache"]
 
-#: Host tensors at least this large are reduced by `ring_all_reduce` (below, the
-#: ring's extra point-to-point round trips cost more than the copy they save).
-RING_MIN_BYTES = 1 << 20
 #: Results smaller than this are allocated as usual: small blocks come from the
 #: allocator's heap without page faults.
 CACHE_MIN_BYTES = 64 << 10
 
 
+#: How many tensors (and storage objects) hold a block: the private call torch's
+#: cudagraph trees use to tell whether an output is still alive. Without it (another
+#: torch version) the cache stays off rather than guess.
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _use_count(storage: torch.UntypedStorage) -> int:
-    # The count of tensors (and storage objects) holding this memory; the same
-    # check torch's cudagraph trees use to tell whether an output is still alive.
-    count: int = torch._C._storage_Use_Count(storage._cdata)
+    assert _STORAGE_USE_COUNT is not None
+    count: int = _STORAGE_USE_COUNT(storage._cdata)
     return count
 
 
@@ -68,7 +64,7 @@ class ResultCache:
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         size = torch.Size(shape)
         nbytes = size.numel() * dtype.itemsize
-        if nbytes < CACHE_MIN_BYTES or nbytes > self.max_bytes:
+        if nbytes < CACHE_MIN_BYTES or nbytes > self.max_bytes or _STORAGE_USE_COUNT is None:
             return torch.empty(size, dtype=dtype, device="cpu")
         with self._lock:
             storage = self._take(nbytes)
@@ -117,56 +113,3 @@ class ResultCache:
                     need -= nbytes
             if not blocks:
                 del self._blocks[nbytes]
-
-
-def ring_all_reduce(
-    value: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    rank: int,
-    world_size: int,
-    timeout: float,
-    group: dist.ProcessGroup | None = None,
-) -> None:
-    """``out`` = the sum of every worker's ``value``; ``value`` is only read.
-
-    ``out`` is contiguous with ``value``'s shape and dtype (not bool or
-    complex: pass real views) and does not overlap ``value``. The ring splits the flat tensor into
-    ``world_size`` chunks; in step s of the reduce-scatter, worker r receives
-    chunk r-s-1 (the partial sum of the workers before it) into ``out`` and
-    adds its own chunk, then sends it on; after W-1 steps each worker holds
-    one complete chunk, and W-1 all-gather steps pass the complete chunks
-    around. Every worker ends with the same bits. Each wait is bounded by
-    ``timeout`` seconds. ``group``: default, the default group (whose ranks
-    ``rank`` and ``world_size`` are).
-    """
-    pg = group if group is not None else dist.group.WORLD
-    if not isinstance(pg, dist.ProcessGroup):
-        raise RuntimeError(
-            "ring_all_reduce needs torch.distributed's default group: call "
-            "torch.distributed.init_process_group first, or pass group=..."
-        )
-    src = value.reshape(-1)
-    dst = out.view(-1)
-    n = src.numel()
-    bounds = [n * i // world_size for i in range(world_size + 1)]
-    wait = datetime.timedelta(seconds=timeout)
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-
-    def chunk(t: torch.Tensor, c: int) -> torch.Tensor:
-        c %= world_size
-        return t[bounds[c] : bounds[c + 1]]
-
-    def exchange(send: torch.Tensor, recv: torch.Tensor) -> None:
-        # The group's own send/recv: dist.isend/irecv's checks cost more than small chunks.
-        works = [pg.send([send], right, 0), pg.recv([recv], left, 0)]
-        for work in works:
-            work.wait(wait)
-
-    for s in range(world_size - 1):
-        send = chunk(src if s == 0 else dst, rank - s)
-        recv = chunk(dst, rank - s - 1)
-        exchange(send, recv)
-        recv.add_(chunk(src, rank - s - 1))
-    for s in range(world_size - 1):
-        exchange(chunk(dst, rank + 1 - s), chunk(dst, rank - s))

@@ -8,10 +8,10 @@ one ``torch.distributed`` collective across the workers' processes
 for CUDA ones (``init_process_group("cpu:gloo,cuda:nccl")``). The sum
 across workers is in gloo's (or NCCL's) order, so results equal the sim's
 within the rounding bound of a sum, not bit for bit
-(``Capabilities.reduction_orders`` is empty). One replica's host tensor of
-at least 1 MiB is summed out of place instead, by a ring over gloo's
-send/recv into recycled memory (``polydist_torch._host_all_reduce``): TF's
-all_reduce leaves its input unchanged, and this spares the copy.
+(``Capabilities.reduction_orders`` is empty). TF's all_reduce leaves its
+input unchanged: it copies the input into recycled host memory (no page
+faults; ``polydist_torch._host_all_reduce``) and sums the copy in place with
+the engine's own ``all_reduce``.
 
 The cluster comes from, in order: the ``cluster_resolver`` argument;
 ``TF_CONFIG`` (``polydist launch`` sets it); ``torchrun``'s ``RANK``,
@@ -51,10 +51,8 @@ checked (no store).
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import datetime
 import os
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -63,29 +61,22 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from polydist import _multi_process as mp
 from polydist import errors
-from polydist._collective_check import CollectiveChecker, PeerMissing, checks_enabled
+from polydist._collective_check import PeerMissing
 from polydist._communication import CommunicationOptions
 from polydist._devices import DeviceSpec
 from polydist._multi_process import (
     DEFAULT_TIMEOUT_SECONDS,
     HEARTBEAT_SECONDS,
-    Heartbeat,
     MultiProcessMirroredStrategy,
-    collective_timeout,
-    default_cluster_resolver,
     describe_workers,
-    environment_cluster_resolver,
-    rendezvous_address,
-    task_addresses,
 )
-from polydist.backend import EagerReplicaRunner
 from polydist.cluster_resolver import ClusterResolver
-from polydist.errors import CollectiveMismatchError
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._backend import Reduction, TorchBackend
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
-from polydist_torch._host_all_reduce import RING_MIN_BYTES, ResultCache, ring_all_reduce
+from polydist_torch._host_all_reduce import ResultCache
 
 if TYPE_CHECKING:
     from polydist import StrategyExtended
@@ -162,53 +153,23 @@ class _StoreAdapter:
         return [bytes(v).decode() for v in values]
 
 
-class _ProcessGroup:
+class _ProcessGroup(mp.ClusterMembership):
     """This process's membership in the cluster: the store, the torch process group,
     the heartbeat, and the translation of torch's errors."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        timeout: float,
-        names: Sequence[str],
-        addresses: Sequence[str],
-        store: Any,
-        make_store: Callable[[], Any] | None,
-    ) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = timeout
-        self.names = list(names)
-        self.addresses = list(addresses)
+    engine_errors = (RuntimeError,)
+    #: The rendezvous's store (kept: worker 0 hosts it); None when the program set up
+    #: torch.distributed itself, or for one worker.
+    store: Any = None
+    #: Makes a new connection to ``store``.
+    make_store: Callable[[], Any] | None = None
+
+    def attach(self, store: Any, make_store: Callable[[], Any]) -> None:
+        """Keeps the rendezvous's ``store`` and watches the cluster through new connections
+        to it (`ClusterMembership.watch`)."""
         self.store = store
         self.make_store = make_store
-        self.collectives = 0  # how many collectives this process has entered
-        self._gloo: bool | None = None
-        self.failure: errors.OpError | None = None
-        self.heartbeat: Heartbeat | None = None
-        self.checker: CollectiveChecker | None = None
-        if make_store is not None:
-            me = weakref.ref(self)
-
-            def collectives() -> int | None:
-                group = me()
-                return None if group is None else group.collectives
-
-            self.heartbeat = Heartbeat(
-                lambda: _StoreAdapter(make_store()), rank, world_size, collectives
-            )
-            self.checker = CollectiveChecker(
-                _StoreAdapter(make_store()),
-                rank,
-                world_size,
-                timeout=timeout,
-                heartbeat=self.heartbeat,
-                names=names,
-                addresses=addresses,
-                enabled=checks_enabled(),
-            )
+        self.watch(lambda: _StoreAdapter(make_store()))
 
     # -- joining -----------------------------------------------------------------------------
     @classmethod
@@ -291,14 +252,9 @@ class _ProcessGroup:
                 f"{_first_line(e)}."
             ) from e
         group = cls(
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            names=names,
-            addresses=addresses,
-            store=store,
-            make_store=lambda: make_store(False, _HEARTBEAT_STORE_SECONDS),
+            rank=rank, world_size=world_size, timeout=timeout, names=names, addresses=addresses
         )
+        group.attach(store, lambda: make_store(False, _HEARTBEAT_STORE_SECONDS))
         return group
 
     @staticmethod
@@ -311,39 +267,13 @@ class _ProcessGroup:
 
     # -- collectives -----------------------------------------------------------------------
     def check(self, op: str, tensor: torch.Tensor, axis: int | None = None) -> None:
-        """Before collective ``op`` of ``tensor``: raises ``CollectiveMismatchError`` unless
-        every worker is about to run the same one (see ``polydist._collective_check``)."""
-        if self.checker is None or self.failure is not None:
-            return  # no store to compare through (or call() raises the failure)
-        try:
-            self.checker.check(op, tensor.dtype, tensor.shape, axis)
-        except CollectiveMismatchError:
-            raise  # no worker issued it: the group is still usable
-        except RuntimeError as e:  # a peer is missing, or the store is gone
-            self.collectives += 1  # the collective it was entering, for the diagnosis
-            failure = self._translate(op, e)
-            self.failure = failure
-            raise failure from e
+        """Before collective ``op`` of ``tensor``: `check_signature` (no store: no check)."""
+        self.check_signature(op, tensor.dtype, tensor.shape, axis)
 
-    def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        if self.failure is not None:
-            raise type(self.failure)(
-                f"{what} cannot run: the cluster failed earlier and torch.distributed cannot "
-                f"be used any more ({self.failure}). Stop every worker and restart them."
-            )
-        self.collectives += 1
-        try:
-            return fn()
-        except RuntimeError as e:
-            failure = self._translate(what, e)
-            self.failure = failure
-            raise failure from e
-
-    def _translate(self, what: str, err: RuntimeError) -> errors.OpError:
+    def translate(self, what: str, err: BaseException) -> errors.OpError:
         said = _first_line(err)
         timed_out = "timed out" in said.lower() or "timeout" in said.lower()
-        dead, behind = self._diagnose()
-        n = self.collectives
+        dead, behind = self.diagnose()
         source = (
             "polydist's collective check" if isinstance(err, PeerMissing) else "torch.distributed"
         )
@@ -353,28 +283,15 @@ class _ProcessGroup:
             "stops the others when one fails). If the peers are merely slow, raise "
             "CommunicationOptions(timeout_seconds=...)."
         )
-        head = f"{what} (collective #{n} of worker {self.rank}) across {self.world_size} workers"
+        head = self.collective(what)
         if dead:
-            return errors.UnavailableError(
-                f"{head} failed: worker(s) {describe_workers(dead, self.names, self.addresses)} "
-                "unavailable: its process stopped sending heartbeats (it exited, crashed, hung "
-                f"or lost its network).{tail}"
-            )
+            return errors.UnavailableError(f"{head} failed: {self.unavailable(dead)}.{tail}")
         if behind:
             return errors.DeadlineExceededError(
-                f"{head} did not complete within {self.timeout:g} s: worker(s) "
-                f"{describe_workers(behind, self.names, self.addresses)} are alive but did not "
-                f"reach it (they are stuck, slower than the timeout, or running different "
-                f"collectives).{tail}"
+                f"{head} did not complete within {self.timeout:g} s: {self.behind(behind)}.{tail}"
             )
         cls = errors.DeadlineExceededError if timed_out else errors.UnavailableError
         return cls(f"{head} failed; no other worker looks unavailable or late.{tail}")
-
-    def _diagnose(self) -> tuple[list[int], list[int]]:
-        """(dead, behind): see `Heartbeat.diagnose`."""
-        if self.heartbeat is None:
-            return [], []
-        return self.heartbeat.diagnose(self.collectives)
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         view = torch.view_as_real(tensor) if tensor.is_complex() else tensor
@@ -387,24 +304,9 @@ class _ProcessGroup:
             self.all_reduce_(out)
             return out
         out = cache.empty(tensor.shape, tensor.dtype)
-        if out.nbytes < RING_MIN_BYTES or not self._sends_and_receives():
-            out.copy_(tensor)
-            self.all_reduce_(out)
-            return out
-        src, dst = _wire(tensor), _wire(out)
-        self.call(
-            "all_reduce",
-            lambda: ring_all_reduce(
-                src, dst, rank=self.rank, world_size=self.world_size, timeout=self.timeout
-            ),
-        )
+        out.copy_(tensor)
+        self.all_reduce_(out)
         return out
-
-    def _sends_and_receives(self) -> bool:
-        """Whether the default group's host backend is gloo (ring_all_reduce's send/recv)."""
-        if self._gloo is None:
-            self._gloo = dist.is_initialized() and "gloo" in str(dist.get_backend())
-        return self._gloo
 
     def broadcast_(self, tensor: torch.Tensor) -> None:
         view = _wire(tensor)
@@ -442,12 +344,6 @@ class _ProcessGroup:
         self.call("all_gather", lambda: dist.all_gather(parts, wire))
         trimmed = [p.narrow(axis, 0, size) for p, size in zip(parts, sizes)]
         return _unwire(torch.cat(trimmed, dim=axis), tensor.dtype)
-
-    def close(self, wait: float = 0.0) -> None:
-        if self.checker is not None and self.failure is None:
-            self.checker.leave()  # a peer still at a collective raises CollectiveMismatchError
-        if self.heartbeat is not None:
-            self.heartbeat.stop(wait)
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -502,17 +398,13 @@ class TorchProcessGroupBackend(TorchBackend):
     ) -> None:
         super().__init__(reduction, timeout_seconds=timeout_seconds)
         self._cache = ResultCache(result_cache_bytes)
-        caps = dataclasses.replace(self.capabilities, multi_worker=True, reduction_orders=())
-        if any(f.name == "simulated_clusters" for f in dataclasses.fields(caps)):
-            caps = dataclasses.replace(caps, simulated_clusters=False)  # type: ignore[call-arg, unused-ignore]
-        self.capabilities = caps
-        self._replica_timeout = timeout_seconds
+        self.capabilities = mp.process_capabilities(self.capabilities)
         self._dist_backend = dist_backend
         self._group: _ProcessGroup | None = None
         self._rendezvous: str | None = None
         self._addresses: list[str] = []
         self._timeout = DEFAULT_TIMEOUT_SECONDS
-        self._runners: dict[int, EagerReplicaRunner] = {}
+        self._runners = mp.ReplicaRunners(timeout_seconds, TorchReplicaChannel)
         if not hasattr(self, "_runner"):
             raise RuntimeError(
                 "polydist_torch.TorchBackend no longer has the _runner that "
@@ -544,35 +436,14 @@ class TorchProcessGroupBackend(TorchBackend):
         self, worker_devices: Sequence[Sequence[str]], worker_index: int
     ) -> tuple[int, ...]:
         world = len(worker_devices)
-        if not 0 <= worker_index < world:
-            raise ValueError(
-                f"worker_index {worker_index} is out of range for a cluster of {world} workers."
-            )
-        names = [_task_of(ws[0]) for ws in worker_devices]
-        group = self._group
-        if group is not None:
-            if (group.rank, group.world_size) != (worker_index, world):
-                raise ValueError(
-                    f"This process already is worker {group.rank} of a cluster of "
-                    f"{group.world_size}; it cannot also be worker {worker_index} of {world}. A "
-                    "process joins one cluster: create every MultiWorkerMirroredStrategy of "
-                    "the program with the same cluster."
-                )
+        joined = None if self._group is None else (self._group.rank, self._group.world_size)
+        if mp.check_joining(worker_index, world, joined):
             return (worker_index,)
-        if world == 1:
-            self._group = _ProcessGroup(
-                rank=0,
-                world_size=1,
-                timeout=self._timeout,
-                names=names,
-                addresses=self._addresses,
-                store=None,
-                make_store=None,
-            )
-            return (worker_index,)
-        if dist.is_initialized():
-            # The program set up torch.distributed itself (e.g. init_process_group("env://")).
-            if (dist.get_rank(), dist.get_world_size()) != (worker_index, world):
+        names = mp.worker_task_names(worker_devices)
+        if world == 1 or dist.is_initialized():
+            # One worker, or the program set up torch.distributed itself (e.g.
+            # init_process_group("env://")): no store to watch through.
+            if world > 1 and (dist.get_rank(), dist.get_world_size()) != (worker_index, world):
                 raise ValueError(
                     f"torch.distributed is already initialized as rank {dist.get_rank()} of "
                     f"{dist.get_world_size()}, but the cluster makes this process worker "
@@ -585,8 +456,6 @@ class TorchProcessGroupBackend(TorchBackend):
                 timeout=self._timeout,
                 names=names,
                 addresses=self._addresses,
-                store=None,
-                make_store=None,
             )
             return (worker_index,)
         if self._rendezvous is None:
@@ -647,18 +516,7 @@ class TorchProcessGroupBackend(TorchBackend):
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
-        # The differentiable channel must know each replica's id among ALL workers'
-        # replicas (all_gather's gradient keeps that replica's segment).
-        offset = int(getattr(extended, "_replica_offset", 0))
-        runner = self._runners.get(offset)
-        if runner is None:
-            runner = EagerReplicaRunner(
-                "thread",
-                self._replica_timeout,
-                wrap_channel=lambda channel, index: TorchReplicaChannel(channel, offset + index),
-            )
-            self._runners[offset] = runner
-        self._runner = runner
+        self._runner = self._runners.of(extended)
         return super().run_replicas(extended, fn, per_replica_args)
 
     # -- collectives across workers -----------------------------------------------------------
@@ -729,21 +587,8 @@ class TorchProcessGroupBackend(TorchBackend):
             dist.destroy_process_group()
 
 
-def _task_of(device: str) -> str:
-    spec = DeviceSpec.parse(device)
-    return f"/job:{spec.job}/replica:{spec.replica}/task:{spec.task}"
-
-
 _LIVE: weakref.WeakSet[TorchProcessGroupBackend] = weakref.WeakSet()
-_SHARED: list[TorchProcessGroupBackend] = []
-_SHARED_LOCK = threading.Lock()
-
-
-def _shared_backend() -> TorchProcessGroupBackend:
-    with _SHARED_LOCK:
-        if not _SHARED:
-            _SHARED.append(TorchProcessGroupBackend())
-        return _SHARED[0]
+_shared_backend = mp.once_per_process(TorchProcessGroupBackend)
 
 
 def shutdown() -> None:
@@ -796,20 +641,16 @@ class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
                 "backend must be a polydist_torch.TorchProcessGroupBackend (or None for the "
                 f"process's shared one), got {type(backend).__name__} {backend!r}."
             )
-        if cluster_resolver is None:
-            master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            address = f"{master[0]}:{master[1]}" if all(master) else None
-            cluster_resolver = default_cluster_resolver(
-                environment_cluster_resolver("RANK", "WORLD_SIZE", address, what="torchrun")
-            )
-        addresses = task_addresses(
-            cluster_resolver.cluster_spec(), cluster_resolver.task_type, cluster_resolver.task_id
+        master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        cluster = mp.resolve_cluster(
+            cluster_resolver,
+            communication_options,
+            "RANK",
+            "WORLD_SIZE",
+            f"{master[0]}:{master[1]}" if all(master) else None,
+            what="torchrun",
         )
-        backend.prepare(
-            rendezvous_address(cluster_resolver),
-            addresses,
-            collective_timeout(communication_options),
-        )
+        backend.prepare(cluster.rendezvous, cluster.addresses, cluster.timeout)
         super().__init__(
-            cluster_resolver, communication_options, backend=backend, local_devices=local_devices
+            cluster.resolver, communication_options, backend=backend, local_devices=local_devices
         )

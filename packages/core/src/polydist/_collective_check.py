@@ -59,6 +59,8 @@ CHECK_ENV = "POLYDIST_CHECK_COLLECTIVES"
 _SLICE_SECONDS = 0.5
 # What a worker publishes as its next signature when it leaves the cluster.
 _LEFT = "left"
+#: How long worker 0 waits for the others to read a mismatch before raising it.
+_LINGER_SECONDS = 5.0
 
 
 def checks_enabled() -> bool:
@@ -233,7 +235,30 @@ class CollectiveChecker:
         if any(t.partition("\n")[0] != mine for t in theirs):
             calls = dict(zip(self._others, theirs))
             calls[self._rank] = f"{mine}\n{where}"
+            self._linger(n, calls)
             raise self._mismatch(n, calls)
+
+    def _linger(self, n: int, calls: dict[int, str]) -> None:
+        """Every worker saw mismatch ``n``: worker 0, whose process holds the store on both
+        engines, waits (briefly) until the others have read it before raising, or a peer
+        still reading would find the store gone and report worker 0 as unavailable."""
+        try:
+            self._store.set(f"cc/{n}/seen/{self._rank}", "1")
+        except Exception:  # the store is gone already: the mismatch is still the news
+            return
+        if self._rank != 0:
+            return
+        readers = [r for r in self._others if calls[r].partition("\n")[0] != _LEFT]
+        deadline = time.monotonic() + min(self._timeout, _LINGER_SECONDS)
+        keys = [f"cc/{n}/seen/{r}" for r in readers]
+        while keys and time.monotonic() < deadline:
+            try:
+                if self._store.get_all(keys, _SLICE_SECONDS / 4) is not None:
+                    return
+            except Exception:
+                return
+            if self._heartbeat is not None and self._heartbeat.silent():
+                return
 
     def leave(self) -> None:
         """Publishes that this worker left the cluster (its program ended, or it called

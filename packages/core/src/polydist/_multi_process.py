@@ -40,21 +40,29 @@ raises ``CollectiveMismatchError`` on all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
-from polydist import _trace, _variables
+from polydist import _trace, _variables, errors
 from polydist._arrays import check_summable, convert_to_array, mean_from_sum
-from polydist._backend import Backend
+from polydist._backend import Backend, Capabilities, ReplicaChannel
 from polydist._cluster import InReplicaContext
-from polydist._collective_check import collective_intent
+from polydist._collective_check import (
+    CollectiveChecker,
+    SignatureStore,
+    checks_enabled,
+    collective_intent,
+)
 from polydist._communication import CommunicationOptions
-from polydist._devices import HOST_DEVICE
+from polydist._devices import HOST_DEVICE, DeviceSpec
+from polydist._eager import EagerReplicaRunner
 from polydist._multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
 from polydist._reduce_op import ReduceOp
 from polydist._replica_context import ReplicaContext, _check_gather_axis
@@ -83,18 +91,27 @@ from polydist.cluster_resolver import (
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "HEARTBEAT_SECONDS",
+    "ClusterMembership",
+    "ClusterStore",
+    "ClusterToJoin",
     "Heartbeat",
     "HeartbeatStore",
     "NO_TIMEOUT_SECONDS",
     "MultiProcessExtended",
     "MultiProcessMirroredStrategy",
+    "ReplicaRunners",
     "WorkerProcessBackend",
+    "check_joining",
     "collective_timeout",
     "describe_workers",
     "environment_cluster_resolver",
+    "once_per_process",
+    "process_capabilities",
     "rendezvous_address",
+    "resolve_cluster",
     "task_addresses",
     "task_names",
+    "worker_task_names",
 ]
 
 #: The bound on joining the cluster and on each cross-process collective when
@@ -196,6 +213,75 @@ def default_cluster_resolver(*fallbacks: ClusterResolver | None) -> ClusterResol
         if resolver is not None:
             return resolver
     return tf_config
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterToJoin:
+    """A worker process's cluster, as its engine joins it (see `resolve_cluster`)."""
+
+    resolver: ClusterResolver
+    #: Each worker's address by worker index (for messages); empty without a cluster.
+    addresses: list[str]
+    #: Worker 0's ``host:port``, where the engines meet; ``None`` without a cluster.
+    rendezvous: str | None
+    #: The bound on joining and on each collective (`collective_timeout`).
+    timeout: float
+
+
+def resolve_cluster(
+    cluster_resolver: ClusterResolver | None,
+    communication_options: CommunicationOptions | None,
+    rank_var: str,
+    size_var: str,
+    address: str | None,
+    *,
+    what: str,
+) -> ClusterToJoin:
+    """The cluster of a strategy created with ``cluster_resolver``: when it is None,
+    `default_cluster_resolver` with a launcher's variables (`environment_cluster_resolver`
+    of ``rank_var``, ``size_var``, ``address`` and ``what``)."""
+    if cluster_resolver is None:
+        cluster_resolver = default_cluster_resolver(
+            environment_cluster_resolver(rank_var, size_var, address, what=what)
+        )
+    spec = cluster_resolver.cluster_spec()
+    task_type, task_id = cluster_resolver.task_type, cluster_resolver.task_id
+    addresses: list[str] = []
+    if spec and task_type is not None and task_id is not None:
+        # Without a task the strategy explains what is missing.
+        addresses = task_addresses(spec, task_type, task_id)
+    return ClusterToJoin(
+        cluster_resolver,
+        addresses,
+        rendezvous_address(cluster_resolver),
+        collective_timeout(communication_options),
+    )
+
+
+def check_joining(worker_index: int, world: int, joined: tuple[int, int] | None) -> bool:
+    """For ``connect_cluster(worker_devices, worker_index)`` of ``world`` workers: whether
+    this process already joined that cluster (``joined``: its (worker index, cluster size),
+    ``None`` before). Raises ``ValueError`` for an index out of range, or when it joined
+    as another worker (a process joins one cluster)."""
+    if not 0 <= worker_index < world:
+        raise ValueError(
+            f"worker_index {worker_index} is out of range for a cluster of {world} workers."
+        )
+    if joined is None:
+        return False
+    if joined != (worker_index, world):
+        raise ValueError(
+            f"This process already is worker {joined[0]} of a cluster of {joined[1]}; it "
+            f"cannot also be worker {worker_index} of {world}. A process joins one cluster: "
+            "create every MultiWorkerMirroredStrategy of the program with the same cluster."
+        )
+    return True
+
+
+def worker_task_names(worker_devices: Sequence[Sequence[str]]) -> list[str]:
+    """``/job:J/replica:R/task:T`` of each worker of ``connect_cluster``'s devices."""
+    specs = (DeviceSpec.parse(devices[0]) for devices in worker_devices)
+    return [f"/job:{s.job}/replica:{s.replica}/task:{s.task}" for s in specs]
 
 
 class _WorkerReplicaContext(ReplicaContext):
@@ -592,3 +678,208 @@ def describe_workers(
         where = f" at {addresses[r]}" if r < len(addresses) and addresses[r] else ""
         parts.append(f"{r} ({names[r]}{where})" if r < len(names) else str(r))
     return ", ".join(parts)
+
+
+# -- the engines' halves ---------------------------------------------------------------------
+
+
+class ClusterStore(HeartbeatStore, SignatureStore, Protocol):
+    """The cluster's key-value store, as the heartbeat and the collective check use it."""
+
+
+class ClusterMembership:
+    """This process's membership in a cluster of worker processes, which an engine
+    subclasses: the workers (``names`` and ``addresses`` by worker index), how many
+    collectives this process has entered, its heartbeat and collective check (`watch`),
+    the failure that ended the cluster, and how messages name the workers.
+
+    A collective runs through `call`; the engine's errors in it (``engine_errors``)
+    become polydist's through the engine's `translate`.
+    """
+
+    #: What the engine raises when a collective, or the store, fails.
+    engine_errors: ClassVar[tuple[type[Exception], ...]] = (Exception,)
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        names: Sequence[str],
+        addresses: Sequence[str],
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.names = list(names)
+        self.addresses = list(addresses)
+        self.collectives = 0  # how many collectives this process has entered
+        self.failure: errors.OpError | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.checker: CollectiveChecker | None = None
+
+    def watch(
+        self,
+        make_store: Callable[[], ClusterStore],
+        *,
+        check_timeout: float | None = None,
+        overlap_writes: bool = False,
+    ) -> None:
+        """Starts the heartbeat (whose thread makes its own store) and the collective
+        check (on another ``make_store()``), which waits ``check_timeout`` (default
+        ``timeout``) for the others' signatures."""
+        me = weakref.ref(self)
+
+        def collectives() -> int | None:
+            member = me()
+            return None if member is None else member.collectives
+
+        self.heartbeat = Heartbeat(make_store, self.rank, self.world_size, collectives)
+        self.checker = CollectiveChecker(
+            make_store(),
+            self.rank,
+            self.world_size,
+            timeout=self.timeout if check_timeout is None else check_timeout,
+            heartbeat=self.heartbeat,
+            names=self.names,
+            addresses=self.addresses,
+            enabled=checks_enabled(),
+            overlap_writes=overlap_writes,
+        )
+
+    # -- collectives ---------------------------------------------------------------------------
+    def check_signature(
+        self, op: str, dtype: Any = None, shape: Sequence[int] = (), axis: int | None = None
+    ) -> None:
+        """Before collective ``op`` of an array of ``dtype`` and ``shape`` (``dtype=None``:
+        ``op`` alone): raises ``CollectiveMismatchError`` unless every worker is about to run
+        the same one (see ``polydist._collective_check``); a missing peer or store fails
+        the cluster (`failed`)."""
+        if self.checker is None or self.failure is not None:
+            return  # no store to compare through (or `call` raises the failure)
+        try:
+            self.checker.check(op, dtype, shape, axis)
+        except errors.CollectiveMismatchError:
+            raise  # no worker issued it: the cluster is still usable
+        except self.engine_errors as e:
+            self.collectives += 1  # the collective it was entering, for the diagnosis
+            raise self.failed(op, e) from e
+
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, collective ``what``; an engine error in it fails the cluster (`failed`),
+        and once failed, no collective runs."""
+        if self.failure is not None:
+            raise type(self.failure)(
+                f"{what} cannot run: the cluster failed earlier and cannot be used any more "
+                f"({self.failure}). Stop every worker and restart them."
+            )
+        self.collectives += 1
+        try:
+            return fn()
+        except self.engine_errors as e:
+            raise self.failed(what, e) from e
+
+    def failed(self, what: str, err: BaseException) -> errors.OpError:
+        """Records and returns `translate`'s error for ``err``, which ended ``what``: the
+        cluster's failure."""
+        self.failure = self.translate(what, err)
+        return self.failure
+
+    def translate(self, what: str, err: BaseException) -> errors.OpError:
+        """The ``UnavailableError`` or ``DeadlineExceededError`` for the engine's ``err``,
+        which ended collective ``what``, naming the workers at fault (`diagnose`)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement translate")
+
+    # -- naming the workers ----------------------------------------------------------------
+    def diagnose(self, collectives: int | None = None) -> tuple[list[int], list[int]]:
+        """(dead, behind) after collective number ``collectives`` (default: the latest) failed:
+        see `Heartbeat.diagnose`; nobody without a heartbeat."""
+        if self.heartbeat is None:
+            return [], []
+        return self.heartbeat.diagnose(self.collectives if collectives is None else collectives)
+
+    def describe(self, ranks: Sequence[int]) -> str:
+        """`describe_workers` of this cluster's workers ``ranks``."""
+        return describe_workers(ranks, self.names, self.addresses)
+
+    def collective(self, what: str, n: int | None = None) -> str:
+        """How messages name collective number ``n`` (default: the latest), ``what``."""
+        n = self.collectives if n is None else n
+        return f"{what} (collective #{n} of worker {self.rank}) across {self.world_size} workers"
+
+    def unavailable(self, dead: Sequence[int]) -> str:
+        """Why messages name the ``dead`` workers of `diagnose`."""
+        return (
+            f"worker(s) {self.describe(dead)} unavailable: its process stopped sending "
+            "heartbeats (it exited, crashed, hung or lost its network)"
+        )
+
+    def behind(self, late: Sequence[int]) -> str:
+        """Why messages name the ``late`` workers (``behind``) of `diagnose`."""
+        return (
+            f"worker(s) {self.describe(late)} are alive but did not reach it (they are stuck, "
+            "slower than the timeout, or running different collectives)"
+        )
+
+    def close(self, wait: float = 0.0) -> None:
+        """Leaves the collective check (unless the cluster failed) and stops the heartbeat,
+        waiting up to ``wait`` s for its thread (see `Heartbeat.stop`)."""
+        if self.checker is not None and self.failure is None:
+            self.checker.leave()  # a peer still at a collective raises CollectiveMismatchError
+        if self.heartbeat is not None:
+            self.heartbeat.stop(wait)
+
+
+_T = TypeVar("_T")
+
+
+def once_per_process(make: Callable[[], _T]) -> Callable[[], _T]:
+    """A function that returns the one ``make()`` of this process, made on its first call
+    (thread-safe): an engine's shared backend, its watchdog."""
+    made: list[_T] = []
+    lock = threading.Lock()
+
+    def get() -> _T:
+        with lock:
+            if not made:
+                made.append(make())
+            return made[0]
+
+    return get
+
+
+def process_capabilities(capabilities: Capabilities) -> Capabilities:
+    """An engine backend's ``capabilities`` with one process per worker: ``multi_worker``;
+    no simulated clusters; no exact reduction order (the engine's sum across workers)."""
+    return dataclasses.replace(
+        capabilities, multi_worker=True, reduction_orders=(), simulated_clusters=False
+    )
+
+
+class ReplicaRunners:
+    """An engine backend's eager replica runners, one per worker of the strategies that use
+    it: a replica's channel needs the replica's id among every worker's replicas
+    (all_gather's gradient keeps its segment), ``channel(inner, id)`` wraps it."""
+
+    def __init__(
+        self, timeout: float | None, channel: Callable[[ReplicaChannel, int], ReplicaChannel]
+    ) -> None:
+        self._timeout = timeout
+        self._channel = channel
+        self._runners: dict[int, EagerReplicaRunner] = {}
+
+    def of(self, extended: object) -> EagerReplicaRunner:
+        """The runner of ``extended``'s worker (its ``_replica_offset``: the global id of
+        its first replica; 0 for a strategy of one worker)."""
+        offset = int(getattr(extended, "_replica_offset", 0))
+        runner = self._runners.get(offset)
+        if runner is None:
+            channel = self._channel
+            runner = EagerReplicaRunner(
+                "thread",
+                self._timeout,
+                wrap_channel=lambda inner, index: channel(inner, offset + index),
+            )
+            self._runners[offset] = runner
+        return runner
