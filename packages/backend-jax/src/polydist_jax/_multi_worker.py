@@ -399,14 +399,15 @@ class _Cluster(mp.ClusterMembership):
         with self._watched(what):
             return self.call(what, completed)
 
-    def check(self, op: str, array: Any = None, axis: int | None = None) -> None:
-        """Before collective ``op`` of ``array`` (None: a compiled step): `check_signature`;
-        a late peer meets the watchdog, as in `_run`."""
+    def check(
+        self, op: str, array: Any = None, axis: int | None = None, payload: str = ""
+    ) -> list[str] | None:
+        """Before collective ``op`` of ``array`` (None: a compiled step): `check_signature`
+        (its result); a late peer meets the watchdog, as in `_run`."""
         with self._watched(op):
             if array is None:
-                self.check_signature(op)
-            else:
-                self.check_signature(op, array.dtype, array.shape, axis)
+                return self.check_signature(op, payload=payload)
+            return self.check_signature(op, array.dtype, array.shape, axis, payload)
 
     def failed(self, what: str, err: BaseException) -> errors.OpError:
         failure = super().failed(what, err)
@@ -429,19 +430,24 @@ class _Cluster(mp.ClusterMembership):
     # -- compiled runs (polydist_jax._spmd.ProcessGroup) -----------------------------------
     def agree(self, signature: bytes | None) -> str | None:
         """Whether every worker runs the same compiled program (see the ProcessGroup)."""
-        self.check(_RUN)  # every worker is at a strategy.run (then the programs are compared)
-        words = np.zeros(1 + _SIGNATURE_BYTES // 4, dtype=np.int32)
-        if signature is not None:
-            words[0] = 1
-            words[1:] = np.frombuffer(signature[:_SIGNATURE_BYTES], dtype=np.int32)
-        rows = np.asarray(self.gather(words, what=_RUN))
-        unable = [w for w, row in enumerate(rows) if row[0] == 0]
+        # Every worker is at a strategy.run; the check's store round trip carries the
+        # programs' digests too, so only with checks off does a gather compare them.
+        mine = signature[:_SIGNATURE_BYTES].hex() if signature is not None else ""
+        digests = self.check(_RUN, payload=mine)
+        if digests is None:
+            words = np.zeros(1 + _SIGNATURE_BYTES // 4, dtype=np.int32)
+            if signature is not None:
+                words[0] = 1
+                words[1:] = np.frombuffer(signature[:_SIGNATURE_BYTES], dtype=np.int32)
+            rows = np.asarray(self.gather(words, what=_RUN))
+            digests = [row[1:].tobytes().hex() if row[0] else "" for row in rows]
+        unable = [w for w, digest in enumerate(digests) if not digest]
         if unable:
             return (
                 f"worker(s) {self.describe(unable)} cannot compile this call (their replicas' "
                 "inputs differ from one replica to another)"
             )
-        differ = [w for w, row in enumerate(rows) if not np.array_equal(row, rows[self.rank])]
+        differ = [w for w, digest in enumerate(digests) if digest != digests[self.rank]]
         if differ:
             return (
                 f"worker(s) {self.describe(differ)} call another program than worker "

@@ -207,23 +207,31 @@ class CollectiveChecker:
         return self._enabled
 
     def check(
-        self, op: str, dtype: Any = None, shape: Sequence[int] = (), axis: int | None = None
-    ) -> None:
+        self,
+        op: str,
+        dtype: Any = None,
+        shape: Sequence[int] = (),
+        axis: int | None = None,
+        payload: str = "",
+    ) -> list[str] | None:
         """Called right before this worker issues a cross-process collective ``op`` of an
         array of ``dtype`` and ``shape`` (``axis``: an all_gather's; ``dtype=None``: ``op``
         alone): raises `CollectiveMismatchError` when another worker is at a different
-        one, `PeerMissing` when one does not get there (see the module doc)."""
+        one, `PeerMissing` when one does not get there (see the module doc).
+
+        ``payload`` (one line, not compared) travels with the signature: the result is
+        every worker's payload in rank order, or ``None`` when checks are off."""
         if self._enabled is None:
             modes = self._wait([f"cc/mode/{r}" for r in self._others], "their first collective")
             self._enabled = all(m == "1" for m in modes)  # the same answer on every worker
         self.seq += 1
         if not self._enabled:
-            return
+            return None
         n = self.seq
         mine = _signature(op, dtype, shape, axis)
         source = _INTENT.source if _INTENT.active and _INTENT.source is not None else None
         where = source() if source is not None else _trace.user_source_line()
-        key, value = f"cc/{n}/{self._rank}", f"{mine}\n{where}"
+        key, value = f"cc/{n}/{self._rank}", f"{mine}\n{where}\n{payload}"
         if self._publisher is None:
             self._store.set(key, value)
             theirs = self._wait([f"cc/{n}/{r}" for r in self._others], f"collective #{n}")
@@ -234,9 +242,12 @@ class CollectiveChecker:
         self._passed = n
         if any(t.partition("\n")[0] != mine for t in theirs):
             calls = dict(zip(self._others, theirs))
-            calls[self._rank] = f"{mine}\n{where}"
+            calls[self._rank] = value
             self._linger(n, calls)
             raise self._mismatch(n, calls)
+        payloads = [t.split("\n", 2)[2] if t.count("\n") >= 2 else "" for t in theirs]
+        payloads.insert(self._rank, payload)
+        return payloads
 
     def _linger(self, n: int, calls: dict[int, str]) -> None:
         """Every worker saw mismatch ``n``: worker 0, whose process holds the store on both
@@ -290,7 +301,8 @@ class CollectiveChecker:
                 )
 
     def _describe(self, rank: int, text: str) -> str:
-        call, _, where = text.partition("\n")
+        call, _, rest = text.partition("\n")
+        where = rest.partition("\n")[0]
         if call == _LEFT:
             return (
                 f"left the cluster after {where} collective(s) (its program ended, or it "

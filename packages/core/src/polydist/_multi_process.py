@@ -750,16 +750,22 @@ class ClusterMembership:
 
     # -- collectives ---------------------------------------------------------------------------
     def check_signature(
-        self, op: str, dtype: Any = None, shape: Sequence[int] = (), axis: int | None = None
-    ) -> None:
+        self,
+        op: str,
+        dtype: Any = None,
+        shape: Sequence[int] = (),
+        axis: int | None = None,
+        payload: str = "",
+    ) -> list[str] | None:
         """Before collective ``op`` of an array of ``dtype`` and ``shape`` (``dtype=None``:
         ``op`` alone): raises ``CollectiveMismatchError`` unless every worker is about to run
         the same one (see ``polydist._collective_check``); a missing peer or store fails
-        the cluster (`failed`)."""
+        the cluster (`failed`). Returns every worker's ``payload`` (rank order), or
+        ``None`` when nothing was compared."""
         if self.checker is None or self.failure is not None:
-            return  # no store to compare through (or `call` raises the failure)
+            return None  # no store to compare through (or `call` raises the failure)
         try:
-            self.checker.check(op, dtype, shape, axis)
+            return self.checker.check(op, dtype, shape, axis, payload)
         except errors.CollectiveMismatchError:
             raise  # no worker issued it: the cluster is still usable
         except self.engine_errors as e:
