@@ -211,7 +211,7 @@ def test_check_signature() -> None:
     agreeing = _Checker(None)
     member = _membership(agreeing)
     member.check_signature("all_reduce", "float32", (3,), None)
-    assert agreeing.calls == [("all_reduce", "float32", (3,), None)]
+    assert agreeing.calls == [("all_reduce", "float32", (3,), None, "")]
     mismatch = errors.CollectiveMismatchError("Workers disagree")
     member = _membership(_Checker(mismatch))
     with pytest.raises(errors.CollectiveMismatchError):

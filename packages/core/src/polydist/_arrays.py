@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -105,8 +106,20 @@ def check_summable(reduce_op: Any, values: Sequence[Any]) -> None:
 
 
 def dtype_name(dtype: Any) -> str:
+    """``"float32"`` for NumPy, JAX and torch dtypes alike."""
+    try:
+        return _dtype_names(dtype)
+    except TypeError:  # an unhashable dtype-like
+        return _dtype_name(dtype)
+
+
+def _dtype_name(dtype: Any) -> str:
     text = str(dtype)
     return text.removeprefix("torch.").removeprefix("dtype(").strip("')\"")
+
+
+# str() of a NumPy dtype is slow, and every collective names its dtype at least once.
+_dtype_names = functools.lru_cache(maxsize=512)(_dtype_name)
 
 
 def describe(x: Any) -> str:

@@ -566,7 +566,7 @@ def _equals_zero(x: Any) -> bool:
 def _check_same_shape(components: Sequence[Any], what: str) -> None:
     first = components[0]
     for r, c in enumerate(components[1:], start=1):
-        if tuple(c.shape) != tuple(first.shape) or str(c.dtype) != str(first.dtype):
+        if tuple(c.shape) != tuple(first.shape) or c.dtype != first.dtype:
             raise InvalidArgumentError(
                 f"Cannot {what} across replicas: replica 0 has {describe(first)} but replica {r} "
                 f"has {describe(c)}. With axis=None every replica's value must have the same "
