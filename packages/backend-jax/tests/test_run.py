@@ -191,3 +191,19 @@ def test_jit_false_runs_eagerly_with_the_same_results(sim_backend: SimBackend) -
     for g, w in zip(got.values, want.values, strict=True):
         assert_same_bits(g, w)
     assert eager.extended.backend.compile_count == 0  # type: ignore[attr-defined]
+
+
+def test_a_loop_that_never_reads_its_results_does_not_stall_xla_cpu(
+    jax_backend: JaxBackend,
+) -> None:
+    # Unthrottled, XLA:CPU aborts such a loop: a device thread misses the all-reduce.
+    strategy = pd.MirroredStrategy(8, backend=jax_backend)
+
+    def step() -> Any:
+        return ctx().all_reduce("SUM", np.float32(1))
+
+    before = jax_backend.compile_count
+    results = [strategy.run(step) for _ in range(1500)]
+    assert jax_backend.compile_count == before + 1
+    assert len(jax_backend._compiled._in_flight) <= 2
+    assert [float(x) for x in strategy.experimental_local_results(results[-1])] == [8.0] * 8

@@ -533,6 +533,10 @@ class ProcessGroup(Protocol):
         ...
 
 
+#: Compiled steps that may run at once on XLA:CPU (see `CompiledRunner._throttle`).
+_CPU_STEPS_IN_FLIGHT = 2
+
+
 class CompiledRunner:
     """``run_replicas`` for the jax backend: caches and runs compiled programs.
 
@@ -555,6 +559,7 @@ class CompiledRunner:
             StrategyExtended, collections.OrderedDict[Any, _Program]
         ] = weakref.WeakKeyDictionary()
         self._variable_inputs = _functional.InputCache()
+        self._in_flight: collections.deque[Any] = collections.deque()
 
     def cache_size(self, extended: StrategyExtended | None = None) -> int:
         with self._lock:
@@ -591,6 +596,7 @@ class CompiledRunner:
         try:
             if group is None:
                 outputs = program.jitted(*inputs)
+                self._throttle(mesh, outputs)
             else:
                 # Compiled ahead (outside the cluster's bound: a compile is no hang),
                 # then run with every cross-process wait bounded.
@@ -616,6 +622,28 @@ class CompiledRunner:
         self._write_back(program, variables, updated, mesh, traced)
         _mark_diverged(program, variables, fingerprints, mesh)
         return self._results(program, columns, split, replicated, mesh, traced, variables)
+
+    def _throttle(self, mesh: _Mesh, outputs: Any) -> None:
+        """On XLA:CPU, waits for the step before last before returning.
+
+        Its in-process all-reduce runs one thread per device on a shared pool: with
+        many collective programs queued by async dispatch (a loop that never reads
+        its results), a device's thread may never reach the rendezvous and XLA aborts
+        the process after 40 s ("only 7 of them arrived"; plain jit(shard_map(psum))
+        does the same). Two steps in flight keep dispatch ahead of compute.
+        """
+        if len(mesh.devices) < 2 or mesh.devices[0].platform != "cpu":
+            return
+        leaves = jax.tree.leaves(outputs)
+        if not leaves:
+            return
+        with self._lock:
+            self._in_flight.append(leaves[0])
+            oldest = (
+                self._in_flight.popleft() if len(self._in_flight) > _CPU_STEPS_IN_FLIGHT else None
+            )
+        if oldest is not None:
+            oldest.block_until_ready()
 
     def lower(
         self,
