@@ -405,19 +405,23 @@ class MultiWorkerTests:
         assert [int(s) for s in saved] == [5, 0]  # checkpoint.save returned None on worker 1
         assert [p.name for p in sorted((whole / "ckpt").glob("ckpt-*"))][-1] == "ckpt-4"
 
-        # Worker 1 dies at step 3: the launcher stops worker 0; the restart resumes at step 3.
+        # Worker 1 dies at step 3: the launcher stops worker 0; the restart resumes after
+        # the latest checkpoint.
         args = ("train", "--steps", steps, "--ckpt", str(broken / "ckpt"))
         result = self.engine.launch(broken, *args, "--die-at", "3")
         assert result.exit_code == 3, result.message
         assert result.failed_worker == 1, result.message
-        assert pd.checkpoint.read_manifest(broken / "ckpt").step == 2
+        # The chief may be stopped before its save after step 2 lands; saves are atomic,
+        # so the latest complete checkpoint is that one or the one before.
+        last = pd.checkpoint.read_manifest(broken / "ckpt").step
+        assert last in (1, 2)
         assert not (broken / "train0.npz").exists()
         result = self.engine.launch(broken, *args)
         assert result.exit_code == 0, result.message
         for w in range(WORKERS):
             resumed = multiprocess.load(broken / f"train{w}.npz")
             uninterrupted = multiprocess.load(whole / f"train{w}.npz")
-            assert int(resumed["start"][0]) == 3
+            assert int(resumed["start"][0]) == last + 1
             assert np.array_equal(resumed["w"][0], uninterrupted["w"][0]), "restart changed w"
 
     def test_a_killed_worker_makes_the_survivor_raise_unavailable(self, tmp_path: Path) -> None:
