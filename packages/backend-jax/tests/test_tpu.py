@@ -1,9 +1,9 @@
-"""TPUStrategy on jax: device coordinates -> topology -> devices, and compiled runs on the
-8 fake CPU devices standing in for TPU cores (a chain of one-core chips)."""
+"""TPUStrategy on jax: compiled runs on the 8 fake CPU devices standing in for TPU cores
+(a chain of one-core chips). Device coordinates -> topology -> devices is core's
+``LocalTPUSystem.from_devices``: packages/core/tests/test_tpu_local_system.py."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -17,7 +17,7 @@ from polydist.errors import InvalidArgumentError
 from polydist.tpu import DeviceAssignment, LocalTPUSystem, assigned_devices
 from polydist_jax import JaxBackend
 from polydist_jax._devices import jax_device
-from polydist_jax._tpu import local_tpu_system, tpu_topology
+from polydist_jax._tpu import _StandIn, local_tpu_system
 from polydist_sim import SimBackend
 
 N = 8
@@ -36,92 +36,6 @@ def ctx() -> pd.ReplicaContext:
     c = pd.get_replica_context()
     assert c is not None
     return c
-
-
-# -- the pure mapping, with stand-in TPU device objects ------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeTpu:
-    """What the mapping reads of a JAX TPU device."""
-
-    id: int
-    coords: tuple[int, int, int]
-    core_on_chip: int
-    platform: str = "tpu"
-
-
-def v3_8() -> list[FakeTpu]:
-    """A 2x2x1 mesh of chips with 2 cores each, in JAX's order (by id): chip by chip."""
-    chips = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
-    return [FakeTpu(2 * i + core, chip, core) for i, chip in enumerate(chips) for core in (0, 1)]
-
-
-def ids(rows: Any) -> list[list[int]]:
-    return [[d.id for d in row] for row in rows]
-
-
-def test_topology_from_coords_and_core_on_chip() -> None:
-    topology = tpu_topology(v3_8())
-    assert topology.mesh_shape.tolist() == [2, 2, 1, 2]
-    assert (topology.num_tasks, topology.num_tpus_per_task) == (1, 8)
-    assert topology.device_coordinates[0].tolist() == [
-        [0, 0, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 1],
-        [0, 1, 0, 0], [0, 1, 0, 1], [1, 1, 0, 0], [1, 1, 0, 1],
-    ]  # fmt: skip
-    # TF's TPU device k is devices[k]: the device at (1, 1, 0, core 1) is TPU:7.
-    assert topology.tpu_device_ordinal_at_coordinates([1, 1, 0, 1]) == 7
-    assert topology.missing_devices.size == 0
-
-
-def test_two_cores_per_replica_follow_tfs_ring_order() -> None:
-    devices = v3_8()
-    da = DeviceAssignment.build(
-        tpu_topology(devices), computation_shape=[1, 1, 1, 2], num_replicas=4
-    )
-    # TF's ring over the 2x2 chips: (0,0) (1,0) (1,1) (0,1); both cores of a chip per replica.
-    assert ids(assigned_devices(devices, da)) == [[0, 1], [2, 3], [6, 7], [4, 5]]
-
-
-def test_a_hand_written_assignment_picks_devices_by_coordinates() -> None:
-    devices = v3_8()
-    da = DeviceAssignment(
-        tpu_topology(devices),
-        [[[1, 1, 0, 1], [0, 0, 0, 0]], [[0, 1, 0, 0], [1, 0, 0, 1]]],
-    )
-    assert ids(assigned_devices(devices, da)) == [[7, 0], [4, 3]]
-
-
-def test_device_order_does_not_depend_on_the_list_order() -> None:
-    devices = v3_8()
-    shuffled = [devices[i] for i in (5, 2, 7, 0, 3, 6, 1, 4)]
-    da = DeviceAssignment.build(tpu_topology(shuffled), num_replicas=8)
-    # The assignment names coordinates: the same physical cores, whatever the list order.
-    by_coords = ids(assigned_devices(shuffled, da))
-    da_sorted = DeviceAssignment.build(tpu_topology(devices), num_replicas=8)
-    assert by_coords == ids(assigned_devices(devices, da_sorted))
-    # One core per replica: core axis first, then x, y (TF's grid order, no ring).
-    assert [row[0] for row in by_coords] == list(range(8))
-
-
-def test_without_an_assignment_replicas_follow_the_device_order() -> None:
-    devices = v3_8()
-    assert ids(assigned_devices(devices)) == [[i] for i in range(8)]
-
-
-def test_bad_devices_are_refused() -> None:
-    with pytest.raises(ValueError, match="both at"):
-        tpu_topology([FakeTpu(0, (0, 0, 0), 0), FakeTpu(1, (0, 0, 0), 0)])
-    with pytest.raises(ValueError, match="'cpu' device"):
-        tpu_topology([FakeTpu(0, (0, 0, 0), 0, platform="cpu")])
-    with pytest.raises(ValueError, match="at least one"):
-        tpu_topology([])
-    with pytest.raises(ValueError, match=r"coords \(0, 0\); a TPU chip's coordinates"):
-        tpu_topology([FakeTpu(0, (0, 0), 0)])  # type: ignore[arg-type]
-    devices = v3_8()
-    bigger = DeviceAssignment.build(tpu_topology(devices), num_replicas=8)
-    with pytest.raises(ValueError, match="no TPU device"):
-        assigned_devices(devices[:6], bigger)
 
 
 # -- the local TPU of the jax backend: CPU devices standing in ----------------------------
@@ -321,7 +235,7 @@ def test_device_assignment_orders_the_mesh(jax_backend: JaxBackend) -> None:
         lambda v: (ctx().replica_id_in_sync_group, ctx().all_reduce("SUM", v)), args=(x,)
     )
     # Replica r's shard is on the device at core_assignment[r][0] (chip k of the chain).
-    stand_ins = [FakeTpu(d.id, (i, 0, 0), 0) for i, d in enumerate(jax.devices())]
+    stand_ins = [_StandIn(d.id, i) for i, d in enumerate(jax.devices())]
     expected = [row[0].id for row in assigned_devices(stand_ins, da)]
     assert expected == order
     parts = strategy.experimental_local_results(ids)

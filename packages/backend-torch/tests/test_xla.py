@@ -160,6 +160,18 @@ def test_per_replica_non_arrays_are_refused(backend: XlaSpmdBackend) -> None:
         s.run(lambda v: v, args=(pd.PerReplica(["a", "b", "c", "d"]),))
 
 
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_bool_sum_is_refused_by_core(backend: XlaSpmdBackend, op: str) -> None:
+    # The backend has no bool check of its own: core refuses before the collective.
+    s = pd.MirroredStrategy(backend=backend)
+    flags = s.run(lambda: ctx().replica_id_in_sync_group > 1)
+    message = rf"cannot SUM bool replica values: got bool\[\] for ReduceOp\.{op}"
+    with pytest.raises(TypeError, match=message):
+        s.reduce(op, flags, axis=None)
+    with pytest.raises(TypeError, match=rf"got bool\[1\] for ReduceOp\.{op}"):
+        s.run(lambda: ctx().all_reduce(op, torch.tensor([True])))
+
+
 def test_training_with_gradients_of_a_shared_tensor(backend: XlaSpmdBackend) -> None:
     # Gradients of a tensor passed to every replica are computed and all-reduced
     # inside run; the update happens outside. The tensor stays usable afterwards

@@ -133,8 +133,9 @@ def test_agreeing_workers_pass_and_old_signatures_are_deleted(overlap: bool) -> 
 
     assert _together(steps(0), steps(1)) == [None, None]
     assert [c.seq for c in checkers] == [4, 4] and [c.enabled for c in checkers] == [True, True]
-    assert store.data["cc/1/0"].startswith("all_reduce(SUM) of float32[3]\ntest_collective")
-    assert store.data["cc/4/1"].startswith("all_gather(axis=0) of int64[*,2]\n")
+    # Signatures only: call sites travel after a mismatch (see the mismatch tests).
+    assert store.data["cc/1/0"] == "all_reduce(SUM) of float32[3]\n"
+    assert store.data["cc/4/1"] == "all_gather(axis=0) of int64[*,2]\n"
     for beat in beats:
         for chore in beat.chores:
             chore(store)  # what the heartbeat thread does after each beat
@@ -169,6 +170,53 @@ def test_different_ops_raise_on_every_worker_naming_both_calls(overlap: bool) ->
             f"float32[*] at test_collective_check.py:{line} in worker1"
         )
         assert "Every worker must call the same collectives" in lines[3]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["write-then-wait", "overlapped"])
+def test_publish_returns_before_the_others_arrive_and_confirm_compares(overlap: bool) -> None:
+    """The caller's work between publish and confirm overlaps the wait: worker 0 copies
+    while worker 1 has not published yet; confirm then compares as check does."""
+    store = MemoryStore()
+    a, b = _checker(store, 0, overlap=overlap), _checker(store, 1, overlap=overlap)
+    published = threading.Event()
+    order: list[str] = []
+
+    def worker0() -> None:
+        pending = a.publish("all_reduce", np.dtype(np.float32), (3,), payload="p0")
+        order.append("worker 0 published")
+        published.set()
+        assert "cc/1/1" not in store.data  # worker 1 waits for us: no signature of its yet
+        order.append("worker 0 prepared")
+        assert a.confirm(pending) == ["p0", "p1"]
+        pending = a.publish("all_reduce", np.dtype(np.float32), (3,))
+        with pytest.raises(CollectiveMismatchError, match="worker 1 .*int32"):
+            a.confirm(pending)
+
+    def worker1() -> None:
+        assert published.wait(10)
+        assert b.check("all_reduce", np.dtype(np.float32), (3,), payload="p1") == ["p0", "p1"]
+        order.append("worker 1 confirmed")
+        with pytest.raises(CollectiveMismatchError, match="worker 0 .*float32"):
+            b.check("all_reduce", np.dtype(np.int32), (3,))
+
+    assert _together(worker0, worker1) == [None, None]
+    assert order[:2] == ["worker 0 published", "worker 0 prepared"]
+
+
+def test_a_call_site_that_does_not_arrive_is_named_so() -> None:
+    """After a mismatch the workers swap call sites; a peer that publishes its signature
+    but never its call site (it died right then) does not stall the message."""
+    store = MemoryStore()
+    a = _checker(store, 0, timeout=0.3)
+    store.set("cc/mode/1", "1")
+    store.set("cc/1/1", "all_gather(axis=0) of float32[*]\n")
+    with pytest.raises(CollectiveMismatchError) as raised:
+        a.check("all_reduce", np.dtype(np.float32), (3,))
+    assert (
+        "worker 1 (/job:worker/replica:0/task:1 at 10.0.0.2:2222): all_gather(axis=0) of "
+        "float32[*] at (its call site did not arrive)"
+    ) in str(raised.value)
+    assert store.data["cc/1/where/0"].startswith("test_collective_check.py:")
 
 
 @pytest.mark.parametrize(

@@ -175,10 +175,15 @@ class _Checker:
         self.error = error
         self.calls: list[tuple[object, ...]] = []
 
-    def check(self, *signature: object) -> None:
+    def publish(self, *signature: object) -> tuple[object, ...]:
         self.calls.append(signature)
+        return signature
+
+    def confirm(self, pending: tuple[object, ...]) -> list[str]:
+        self.calls.append(("confirm", pending[0]))
         if self.error is not None:
             raise self.error
+        return ["", ""]
 
 
 def _membership(checker: _Checker | None = None) -> _Membership:
@@ -210,8 +215,22 @@ def test_a_failed_collective_fails_the_cluster() -> None:
 def test_check_signature() -> None:
     agreeing = _Checker(None)
     member = _membership(agreeing)
-    member.check_signature("all_reduce", "float32", (3,), None)
-    assert agreeing.calls == [("all_reduce", "float32", (3,), None, "")]
+    assert member.check_signature("all_reduce", "float32", (3,), None) == ["", ""]
+    assert agreeing.calls == [("all_reduce", "float32", (3,), None, ""), ("confirm", "all_reduce")]
+    # checked: the caller's work runs after the signature is published, before the wait.
+    agreeing.calls.clear()
+
+    def prepare() -> int:
+        agreeing.calls.append(("prepare",))
+        return 7
+
+    assert member.checked("all_gather", "int32", (2,), 0, prepare) == (7, ["", ""])
+    assert agreeing.calls == [
+        ("all_gather", "int32", (2,), 0, ""),
+        ("prepare",),
+        ("confirm", "all_gather"),
+    ]
+    assert _membership(None).checked("all_reduce", "float32", (3,), None, lambda: 8) == (8, None)
     mismatch = errors.CollectiveMismatchError("Workers disagree")
     member = _membership(_Checker(mismatch))
     with pytest.raises(errors.CollectiveMismatchError):

@@ -60,6 +60,10 @@ def ctx() -> pd.ReplicaContext:
     return c
 
 
+def ids(rows: Any) -> list[list[int]]:
+    return [[d.id for d in row] for row in rows]
+
+
 # -- LocalTPUSystem -------------------------------------------------------------------------
 
 
@@ -69,8 +73,16 @@ def test_from_devices_reads_coords_and_core_on_chip() -> None:
     assert system.device_coordinates[2:4] == ((1, 0, 0, 0), (1, 0, 0, 1))
     assert (system.num_cores, system.is_stand_in) == (8, False)
     topology = system.topology()
+    assert topology.mesh_shape.tolist() == [2, 2, 1, 2]
     assert (topology.num_tasks, topology.num_tpus_per_task) == (1, 8)
+    assert topology.device_coordinates[0].tolist() == [
+        [0, 0, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 1],
+        [0, 1, 0, 0], [0, 1, 0, 1], [1, 1, 0, 0], [1, 1, 0, 1],
+    ]  # fmt: skip
+    # TF's TPU device k is DEVICES[k]: the device at (1, 1, 0, core 1) is TPU:7.
     assert topology.tpu_device_ordinal_at_coordinates([0, 1, 0, 1]) == 5
+    assert topology.tpu_device_ordinal_at_coordinates([1, 1, 0, 1]) == 7
+    assert topology.missing_devices.size == 0
 
 
 def test_assigned_devices_by_coordinates() -> None:
@@ -78,8 +90,42 @@ def test_assigned_devices_by_coordinates() -> None:
     da = DeviceAssignment.build(topology, computation_shape=[1, 1, 1, 2], num_replicas=4)
     # TF's ring over the chips: (0,0) (1,0) (1,1) (0,1); a replica takes both cores of one.
     rows = assigned_devices(DEVICES, da)
-    assert [[d.id for d in row] for row in rows] == [[0, 1], [2, 3], [6, 7], [4, 5]]
+    assert ids(rows) == [[0, 1], [2, 3], [6, 7], [4, 5]]
     assert assigned_devices(DEVICES) == tuple((d,) for d in DEVICES)
+
+
+def test_a_hand_written_assignment_picks_devices_by_coordinates() -> None:
+    da = DeviceAssignment(
+        LocalTPUSystem.from_devices(DEVICES).topology(),
+        [[[1, 1, 0, 1], [0, 0, 0, 0]], [[0, 1, 0, 0], [1, 0, 0, 1]]],
+    )
+    assert ids(assigned_devices(DEVICES, da)) == [[7, 0], [4, 3]]
+
+
+def test_device_order_does_not_depend_on_the_list_order() -> None:
+    shuffled = [DEVICES[i] for i in (5, 2, 7, 0, 3, 6, 1, 4)]
+    da = DeviceAssignment.build(LocalTPUSystem.from_devices(shuffled).topology(), num_replicas=8)
+    # The assignment names coordinates: the same physical cores, whatever the list order.
+    by_coords = ids(assigned_devices(shuffled, da))
+    topology = LocalTPUSystem.from_devices(DEVICES).topology()
+    da_sorted = DeviceAssignment.build(topology, num_replicas=8)
+    assert by_coords == ids(assigned_devices(DEVICES, da_sorted))
+    # One core per replica: core axis first, then x, y (TF's grid order, no ring).
+    assert [row[0] for row in by_coords] == list(range(8))
+
+
+def test_bad_devices_are_refused() -> None:
+    with pytest.raises(ValueError, match="both at"):
+        LocalTPUSystem.from_devices([FakeTpu(0, (0, 0, 0), 0), FakeTpu(1, (0, 0, 0), 0)])
+    with pytest.raises(ValueError, match="'cpu' device"):
+        LocalTPUSystem.from_devices([FakeTpu(0, (0, 0, 0), 0, platform="cpu")])
+    with pytest.raises(ValueError, match="at least one"):
+        LocalTPUSystem.from_devices([])
+    with pytest.raises(ValueError, match=r"coords \(0, 0\); a TPU chip's coordinates"):
+        LocalTPUSystem.from_devices([FakeTpu(0, (0, 0), 0)])  # type: ignore[arg-type]
+    bigger = DeviceAssignment.build(LocalTPUSystem.from_devices(DEVICES).topology(), num_replicas=8)
+    with pytest.raises(ValueError, match="no TPU device"):
+        assigned_devices(DEVICES[:6], bigger)
 
 
 @pytest.mark.parametrize(

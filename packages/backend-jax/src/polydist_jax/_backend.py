@@ -171,7 +171,12 @@ class JaxBackend:
         return _tpu.local_tpu_system()
 
     def device_scope(self, device: str) -> AbstractContextManager[Any]:
-        scope: AbstractContextManager[Any] = jax.default_device(_devices.jax_device(device))
+        return self._scope_on(_devices.jax_device(device))
+
+    @staticmethod
+    def _scope_on(device: jax.Device) -> AbstractContextManager[Any]:
+        """`device_scope` once the backend has found the JAX device."""
+        scope: AbstractContextManager[Any] = jax.default_device(device)
         traced = _functional.active()
         replica = _variables._UPDATE_REPLICA.get()
         if traced is None or replica is None:

@@ -61,13 +61,10 @@ def on_device(value: Any, device: jax.Device) -> Any:
 
 
 def check_summable(values: Sequence[Any]) -> None:
-    """Refuses what TF's ``add_n`` refuses, with the sim's message."""
+    """Refuses what the sim's sum refuses, with its message: here ml_dtypes' floats
+    (bfloat16, float8_*). Bool never gets here: core refuses it first
+    (``polydist._arrays.check_summable``)."""
     dtype = np.dtype(values[0].dtype)
-    if dtype == np.bool_:
-        raise TypeError(
-            "cannot SUM bool replica values (TF's add_n does not support bool); "
-            "cast to an integer dtype first"
-        )
     if dtype.kind not in "iufc":
         raise TypeError(f"cannot SUM replica values of dtype {dtype} ({describe(values[0])})")
 

@@ -66,7 +66,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -75,14 +74,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from polydist import _multi_process as mp
-from polydist import _variables, errors
+from polydist import errors
 from polydist._arrays import describe
 from polydist._cluster import id_in_cluster, worker_count
 from polydist._communication import CommunicationOptions
 from polydist._devices import DeviceSpec
 from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS, MultiProcessMirroredStrategy
 from polydist.cluster_resolver import ClusterResolver
-from polydist_jax import _functional
 from polydist_jax._backend import JaxBackend
 from polydist_jax._eager_grad import DifferentiableChannel
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
@@ -615,17 +613,7 @@ class JaxProcessBackend(JaxBackend):
             self._jax_device(d)
 
     def device_scope(self, device: str) -> Any:
-        scope = jax.default_device(self._jax_device(device))
-        traced = _functional.active()
-        replica = _variables._UPDATE_REPLICA.get()
-        if traced is None or replica is None:
-            return scope
-        # As JaxBackend's: core updates replica `replica`'s copies inside a compiled
-        # merge_fn; show them as that replica holds them.
-        stack = ExitStack()
-        stack.enter_context(scope)
-        stack.enter_context(traced.update_scope(replica))
-        return stack
+        return self._scope_on(self._jax_device(device))
 
     def place(self, value: Any, device: str) -> Any:
         if isinstance(value, jax.core.Tracer):

@@ -1,9 +1,10 @@
 """``TPUStrategy`` on JAX: the local TPU cores, from the devices' physical coordinates.
 
 On TPUs every JAX device knows its place in the TPU mesh: ``device.coords``
-(the chip's ``x, y, z``) and ``device.core_on_chip``. :func:`tpu_topology`
-turns the devices into a `polydist.tpu.Topology` whose TPU device ``k`` (TF's
-``/device:TPU:k``) is ``devices[k]``, so a ``DeviceAssignment`` built from it
+(the chip's ``x, y, z``) and ``device.core_on_chip``.
+`polydist.tpu.LocalTPUSystem.from_devices` turns the devices into a
+`polydist.tpu.Topology` whose TPU device ``k`` (TF's ``/device:TPU:k``) is
+``devices[k]``, so a ``DeviceAssignment`` built from it
 names physical cores: replica ``r`` runs on the device at
 ``core_assignment[r][0]`` (`polydist.tpu.assigned_devices`). The compiled
 run's ``"replica"`` mesh follows ``worker_devices``, so mesh position ``r`` is
@@ -18,24 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 
-from polydist.tpu import LocalTPUSystem, Topology
+from polydist.tpu import LocalTPUSystem
 from polydist_jax import _devices
 
-__all__ = ["local_tpu_system", "tpu_topology"]
+__all__ = ["local_tpu_system"]
 
 # JAX's device_kind -> the generation names of polydist.tpu's slices.
 _GENERATIONS = {"TPU v2": "v2", "TPU v3": "v3", "TPU v4": "v4", "TPU v5 lite": "v5e"}
-
-
-def tpu_topology(devices: Sequence[Any]) -> Topology:
-    """The `Topology` of TPU ``devices`` (one task): its TPU device ``k`` is ``devices[k]``,
-    at ``(*coords, core_on_chip)``."""
-    return LocalTPUSystem.from_devices(devices).topology()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -298,13 +298,15 @@ class _ProcessGroup(mp.ClusterMembership):
         self.call("all_reduce", lambda: dist.all_reduce(view, op=dist.ReduceOp.SUM))
 
     def all_reduce(self, tensor: torch.Tensor, cache: ResultCache) -> torch.Tensor:
-        """The sum over workers of ``tensor`` as a new tensor; ``tensor`` is only read."""
-        if tensor.device.type != "cpu":
-            out = tensor.clone(memory_format=torch.contiguous_format)
-            self.all_reduce_(out)
-            return out
-        out = cache.empty(tensor.shape, tensor.dtype)
-        out.copy_(tensor)
+        """The sum over workers of ``tensor`` as a new tensor; ``tensor`` is only read.
+        Checked (`check`): the copy into the result overlaps the check's round trip."""
+
+        def copy() -> torch.Tensor:
+            if tensor.device.type != "cpu":
+                return tensor.clone(memory_format=torch.contiguous_format)
+            return cache.empty(tensor.shape, tensor.dtype).copy_(tensor)
+
+        out, _ = self.checked("all_reduce", tensor.dtype, tensor.shape, None, copy)
         self.all_reduce_(out)
         return out
 
@@ -530,12 +532,18 @@ class TorchProcessGroupBackend(TorchBackend):
         if not self.connected:
             return super().reduce_to(values, destination)
         assert self._group is not None
-        self._group.check("all_reduce", values[0])
         with torch.no_grad():
             if len(values) == 1 and isinstance(values[0], torch.Tensor):
                 # Out of place: the replica's tensor is only read.
                 return self._group.all_reduce(values[0].to(torch_device(destination)), self._cache)
-            local = self._local_sum(values, destination)  # a new tensor
+            first = values[0]  # the local sum overlaps the check's round trip
+            local, _ = self._group.checked(
+                "all_reduce",
+                first.dtype,
+                first.shape,
+                None,
+                lambda: self._local_sum(values, destination),
+            )  # a new tensor
             self._group.all_reduce_(local)
         return local
 

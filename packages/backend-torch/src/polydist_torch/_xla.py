@@ -422,11 +422,6 @@ class XlaSpmdBackend:
 
     def _sequential_sum(self, values: Sequence[Any]) -> torch.Tensor:
         tensors = [torch.as_tensor(v) for v in values]
-        if tensors[0].dtype == torch.bool:
-            raise TypeError(
-                "Cannot SUM bool values across replicas (TF's add_n does not support bool). "
-                "Cast them to an integer dtype first."
-            )
         with torch.no_grad():
             total = tensors[0].to(self.device, copy=True)
             for t in tensors[1:]:
@@ -456,7 +451,6 @@ class _SpmdChannel:
         return torch.as_tensor(self._backend.place(value, self._backend.list_devices()[0]))
 
     def all_reduce(self, reduce_op: ReduceOp, values: Sequence[Any]) -> list[Any]:
-        _check_summable(values)
         return [_all_reduce_fn(self, self._tensor(v)) for v in values]
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -510,15 +504,6 @@ class _Core:
         self.id = id
         self.coords = coords
         self.core_on_chip = core_on_chip
-
-
-def _check_summable(values: Sequence[Any]) -> None:
-    for v in values:
-        if getattr(v, "dtype", None) in (torch.bool, np.bool_):
-            raise TypeError(
-                "Cannot SUM bool values across replicas (TF's add_n does not support bool). "
-                "Cast them to an integer dtype first."
-            )
 
 
 class _OpenReplicated(torch.autograd.Function):

@@ -6,19 +6,22 @@ timeout, crashes the process (``gloo::EnforceNotMet`` aborts it when the
 sizes differ) or silently returns wrong values (a float32 tensor summed with
 an int32 one of the same size). So before each cross-process collective,
 `CollectiveChecker.check` publishes this worker's *signature* of it (op,
-reduce op, dtype, shape, and the user's call site for the message) under
-``cc/<n>/<worker>`` in the engine's key-value store (torch's ``TCPStore``,
-JAX's coordination service: the store the heartbeats use), then waits for
-every other worker's signature of collective ``n``. Different signatures
-raise `CollectiveMismatchError` on every worker, before any of them issues
-the collective (each sees all signatures), so nothing hangs and nothing is
-corrupted. A worker that never publishes is a missing peer: the wait ends
-when its heartbeat stops or after the collective timeout, and the engine
-names it (``UnavailableError`` / ``DeadlineExceededError``).
+reduce op, dtype, shape) under ``cc/<n>/<worker>`` in the engine's key-value
+store (torch's ``TCPStore``, JAX's coordination service: the store the
+heartbeats use), then waits for every other worker's signature of collective
+``n``. Different signatures raise `CollectiveMismatchError` on every worker,
+before any of them issues the collective (each sees all signatures), so
+nothing hangs and nothing is corrupted; the workers then swap the user's
+call sites for the message (found only on a mismatch: finding the line costs
+more than the check). A worker that never publishes is a missing peer: the
+wait ends when its heartbeat stops or after the collective timeout, and the
+engine names it (``UnavailableError`` / ``DeadlineExceededError``).
 
-Cost: one store write (asynchronous on torch, overlapping the read on JAX)
-and one blocking store read per collective, a round trip to worker 0's
-store (see docs/multi-host.md).
+Cost: one store write (on a thread of its own where writes wait for a
+reply) and one blocking store read per collective, a round trip to worker
+0's store (see docs/multi-host.md). `CollectiveChecker.publish` and
+`CollectiveChecker.confirm` split it, so that the caller's own work before
+the collective (torch copies the input) overlaps the round trip.
 ``$POLYDIST_CHECK_COLLECTIVES=0`` (a polydist extension) turns the check
 off; every worker publishes its setting when it joins, and the check runs
 only when all workers have it on.
@@ -36,8 +39,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple, Protocol
 
 from polydist import _trace
 from polydist._arrays import dtype_name
@@ -46,6 +49,7 @@ from polydist.errors import CollectiveMismatchError
 __all__ = [
     "CHECK_ENV",
     "CollectiveChecker",
+    "Pending",
     "PeerMissing",
     "SignatureStore",
     "checks_enabled",
@@ -151,6 +155,15 @@ def _signature(op: str, dtype: Any, shape: Sequence[int], axis: int | None) -> s
     return f"{what} of {dtype_name(dtype)}[{','.join(dims)}]"
 
 
+class Pending(NamedTuple):
+    """A signature `CollectiveChecker.publish` wrote, awaiting `CollectiveChecker.confirm`."""
+
+    n: int
+    signature: str
+    payload: str
+    written: Future[None] | None  # the write, when it runs on the publisher thread
+
+
 class CollectiveChecker:
     """Publishes this worker's signature of each cross-process collective and compares it
     with every other worker's (see the module doc).
@@ -221,52 +234,79 @@ class CollectiveChecker:
 
         ``payload`` (one line, not compared) travels with the signature: the result is
         every worker's payload in rank order, or ``None`` when checks are off."""
+        return self.confirm(self.publish(op, dtype, shape, axis, payload))
+
+    def publish(
+        self,
+        op: str,
+        dtype: Any = None,
+        shape: Sequence[int] = (),
+        axis: int | None = None,
+        payload: str = "",
+    ) -> Pending | None:
+        """`check`'s first half: publishes this worker's signature and returns at once, so
+        that the caller's own work (copying the input) overlaps the store's round trip.
+        `confirm` must follow, in the same call stack, before the collective is issued."""
         if self._enabled is None:
             modes = self._wait([f"cc/mode/{r}" for r in self._others], "their first collective")
             self._enabled = all(m == "1" for m in modes)  # the same answer on every worker
         self.seq += 1
         if not self._enabled:
             return None
-        n = self.seq
         mine = _signature(op, dtype, shape, axis)
-        source = _INTENT.source if _INTENT.active and _INTENT.source is not None else None
-        where = source() if source is not None else _trace.user_source_line()
-        key, value = f"cc/{n}/{self._rank}", f"{mine}\n{where}\n{payload}"
+        key, value = f"cc/{self.seq}/{self._rank}", f"{mine}\n{payload}"
         if self._publisher is None:
             self._store.set(key, value)
-            theirs = self._wait([f"cc/{n}/{r}" for r in self._others], f"collective #{n}")
-        else:  # the write's round trip overlaps the wait for the others'
-            written = self._publisher.submit(self._store.set, key, value)
-            theirs = self._wait([f"cc/{n}/{r}" for r in self._others], f"collective #{n}")
-            written.result()
+            return Pending(self.seq, mine, payload, None)
+        # The write's round trip overlaps the caller's work and the wait for the others'.
+        return Pending(self.seq, mine, payload, self._publisher.submit(self._store.set, key, value))
+
+    def confirm(self, pending: Pending | None) -> list[str] | None:
+        """`check`'s second half: waits for the other workers' signatures of ``pending``'s
+        collective and compares them (``None``: checks are off)."""
+        if pending is None:
+            return None
+        n = pending.n
+        theirs = self._wait([f"cc/{n}/{r}" for r in self._others], f"collective #{n}")
+        if pending.written is not None:
+            pending.written.result()
         self._passed = n
-        if any(t.partition("\n")[0] != mine for t in theirs):
+        if any(t.partition("\n")[0] != pending.signature for t in theirs):
             calls = dict(zip(self._others, theirs))
-            calls[self._rank] = value
-            self._linger(n, calls)
-            raise self._mismatch(n, calls)
-        payloads = [t.split("\n", 2)[2] if t.count("\n") >= 2 else "" for t in theirs]
-        payloads.insert(self._rank, payload)
+            calls[self._rank] = f"{pending.signature}\n{pending.payload}"
+            raise self._mismatch(n, calls, self._call_sites(n, calls))
+        payloads = [t.partition("\n")[2] for t in theirs]
+        payloads.insert(self._rank, pending.payload)
         return payloads
 
-    def _linger(self, n: int, calls: dict[int, str]) -> None:
+    def _call_sites(self, n: int, calls: dict[int, str]) -> dict[int, str]:
+        """After mismatch ``n``, which every worker saw: each publishes the user's line of
+        its collective (found only now: finding it costs more than the check itself) and
+        reads the others'. Worker 0 returns once the others have read (`_linger`)."""
+        source = _INTENT.source if _INTENT.active and _INTENT.source is not None else None
+        sites = {self._rank: source() if source is not None else _trace.user_source_line()}
+        peers = [r for r in self._others if calls[r].partition("\n")[0] != _LEFT]
+        try:
+            self._store.set(f"cc/{n}/where/{self._rank}", sites[self._rank])
+            seconds = min(self._timeout, _LINGER_SECONDS)
+            got = self._store.get_all([f"cc/{n}/where/{r}" for r in peers], seconds)
+            sites.update(zip(peers, got or ()))
+            self._linger(n, peers)
+        except Exception:  # the store is gone already: the mismatch is still the news
+            pass
+        return sites
+
+    def _linger(self, n: int, readers: Sequence[int]) -> None:
         """Every worker saw mismatch ``n``: worker 0, whose process holds the store on both
         engines, waits (briefly) until the others have read it before raising, or a peer
         still reading would find the store gone and report worker 0 as unavailable."""
-        try:
-            self._store.set(f"cc/{n}/seen/{self._rank}", "1")
-        except Exception:  # the store is gone already: the mismatch is still the news
-            return
+        self._store.set(f"cc/{n}/seen/{self._rank}", "1")
         if self._rank != 0:
             return
-        readers = [r for r in self._others if calls[r].partition("\n")[0] != _LEFT]
         deadline = time.monotonic() + min(self._timeout, _LINGER_SECONDS)
         keys = [f"cc/{n}/seen/{r}" for r in readers]
         while keys and time.monotonic() < deadline:
-            try:
-                if self._store.get_all(keys, _SLICE_SECONDS / 4) is not None:
-                    return
-            except Exception:
+            if self._store.get_all(keys, _SLICE_SECONDS / 4) is not None:
                 return
             if self._heartbeat is not None and self._heartbeat.silent():
                 return
@@ -300,17 +340,18 @@ class CollectiveChecker:
                     f"worker {self._rank} waited for them to reach {what}"
                 )
 
-    def _describe(self, rank: int, text: str) -> str:
+    def _describe(self, text: str, site: str | None) -> str:
         call, _, rest = text.partition("\n")
-        where = rest.partition("\n")[0]
         if call == _LEFT:
             return (
-                f"left the cluster after {where} collective(s) (its program ended, or it "
+                f"left the cluster after {rest} collective(s) (its program ended, or it "
                 "called shutdown)"
             )
-        return f"{call} at {where}"
+        return f"{call} at {site or '(its call site did not arrive)'}"
 
-    def _mismatch(self, n: int, calls: dict[int, str]) -> CollectiveMismatchError:
+    def _mismatch(
+        self, n: int, calls: dict[int, str], sites: dict[int, str]
+    ) -> CollectiveMismatchError:
         lines = [
             f"Workers disagree on their collective #{n}; on real hardware this program would "
             "hang, crash or compute wrong values, so no worker issued it.",
@@ -318,7 +359,7 @@ class CollectiveChecker:
         for r in sorted(calls):
             name = self._names[r] if r < len(self._names) else "?"
             at = f" at {self._addresses[r]}" if r < len(self._addresses) else ""
-            lines.append(f"  worker {r} ({name}{at}): {self._describe(r, calls[r])}")
+            lines.append(f"  worker {r} ({name}{at}): {self._describe(calls[r], sites.get(r))}")
         lines.append(
             "Every worker must call the same collectives (all_reduce, all_gather, reduce, "
             "gather, variable creation) in the same order, with the same shapes, dtypes and "

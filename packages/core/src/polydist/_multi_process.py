@@ -762,10 +762,26 @@ class ClusterMembership:
         the same one (see ``polydist._collective_check``); a missing peer or store fails
         the cluster (`failed`). Returns every worker's ``payload`` (rank order), or
         ``None`` when nothing was compared."""
+        return self.checked(op, dtype, shape, axis, lambda: None, payload)[1]
+
+    def checked(
+        self,
+        op: str,
+        dtype: Any,
+        shape: Sequence[int],
+        axis: int | None,
+        prepare: Callable[[], _T],
+        payload: str = "",
+    ) -> tuple[_T, list[str] | None]:
+        """`check_signature`, running ``prepare()`` (the caller's work before the
+        collective) while this worker's signature travels: (its result, the payloads)."""
         if self.checker is None or self.failure is not None:
-            return None  # no store to compare through (or `call` raises the failure)
+            # no store to compare through (or `call` raises the failure)
+            return prepare(), None
         try:
-            return self.checker.check(op, dtype, shape, axis, payload)
+            pending = self.checker.publish(op, dtype, shape, axis, payload)
+            prepared = prepare()
+            return prepared, self.checker.confirm(pending)
         except errors.CollectiveMismatchError:
             raise  # no worker issued it: the cluster is still usable
         except self.engine_errors as e:
