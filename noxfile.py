@@ -73,7 +73,9 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """pytest for one package, in its own virtualenv (conformance: its own tests,
     including the mutation check that every broken sim variant is caught)."""
-    session.install(*TEST_DEPS, CORE, SIM, CONFORMANCE)
+    # ml_dtypes (optional for the sim): these tests sum and compare bfloat16 and float8.
+    extra = ["ml_dtypes>=0.5"] if package in ("sim", "conformance") else []
+    session.install(*TEST_DEPS, *extra, CORE, SIM, CONFORMANCE)
     where = "conformance/tests" if package == "conformance" else f"packages/{package}/tests"
     session.run("pytest", where, "-q", *session.posargs)
 

@@ -72,6 +72,21 @@ def _ctx() -> pd.ReplicaContext:
     return ctx
 
 
+#: Dtypes whose sums wrap around or are exact (integer-valued floats), so that every
+#: backend's order gives the sim's values; int16 is one gloo cannot sum itself.
+NARROW_DTYPES = ("int16", "int8", "uint8", "float16", "complex64")
+
+
+def _narrow_values(replica: Any, dtype: str) -> np.ndarray:
+    r = int(replica) + 1
+    if dtype == "complex64":
+        return (np.arange(4) * r + 1j * r).astype(np.complex64)
+    wide = np.array([9000, -20000, 3, 127], dtype=np.int64) * r  # int16 sums overflow
+    if dtype == "float16":
+        return (np.arange(4) * r).astype(np.float16)
+    return wide.astype(dtype)
+
+
 def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     """Per-replica results (lists) and cross-replica results (one-element lists)."""
     out: dict[str, list[np.ndarray]] = {}
@@ -102,6 +117,17 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     out["all_gather"] = local_components(
         strategy, strategy.run(lambda v: _ctx().all_gather(v, axis=0), args=(uneven,))
     )
+    for dtype in NARROW_DTYPES:  # gloo refuses int16: the backend must widen it
+        narrow = strategy.experimental_distribute_values_from_function(
+            lambda c, dt=dtype: _narrow_values(c.replica_id_in_sync_group, dt)
+        )
+        out[f"all_reduce_{dtype}"] = local_components(
+            strategy, strategy.run(lambda v: _ctx().all_reduce(pd.ReduceOp.SUM, v), args=(narrow,))
+        )
+        out[f"gather_{dtype}"] = [as_numpy(strategy, strategy.gather(narrow, axis=0))]
+    with strategy.scope():  # created on the chief, broadcast to the others
+        small = pd.Variable(np.array([-3, 7, 32767], dtype=np.int16), name="small")
+    out["variable_int16"] = local_components(strategy, small)
     out["reduce_sum"] = [as_numpy(strategy, strategy.reduce(pd.ReduceOp.SUM, values, axis=None))]
     out["reduce_mean"] = [as_numpy(strategy, strategy.reduce(pd.ReduceOp.MEAN, values, axis=None))]
     out["reduce_int_mean"] = [

@@ -323,7 +323,17 @@ class MultiWorkerTests:
         assert result.exit_code == 0, result.message
         return [multiprocess.load(out / f"worker{w}.npz") for w in range(WORKERS)]
 
-    @pytest.mark.parametrize("key", ["replica_id", "local_values", "all_reduce_int", "all_gather"])
+    @pytest.mark.parametrize(
+        "key",
+        [
+            "replica_id",
+            "local_values",
+            "all_reduce_int",
+            "all_gather",
+            "variable_int16",
+            *(f"all_reduce_{dtype}" for dtype in multiprocess.NARROW_DTYPES),
+        ],
+    )
     def test_per_replica_results_equal_the_sim_exactly(
         self, key: str, worker_results: list[Results], sim_results: Results
     ) -> None:
@@ -334,7 +344,15 @@ class MultiWorkerTests:
             assert np.array_equal(a, b), f"replica {r}: {a} != {b}"
 
     @pytest.mark.parametrize(
-        "key", ["reduce_int_mean", "reduce_axis_mean", "gather", "host_sum", "bool_refused"]
+        "key",
+        [
+            "reduce_int_mean",
+            "reduce_axis_mean",
+            "gather",
+            "host_sum",
+            "bool_refused",
+            *(f"gather_{dtype}" for dtype in multiprocess.NARROW_DTYPES),
+        ],
     )
     def test_cross_replica_results_equal_the_sim_exactly(
         self, key: str, worker_results: list[Results], sim_results: Results

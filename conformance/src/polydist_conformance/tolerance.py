@@ -14,6 +14,11 @@ simulator (the oracle) and compares the results leaf by leaf:
   - If the backend declares, in ``Capabilities.reduction_orders``, an order
     that the sim reproduces (``"sequential"`` for XLA on CPU, say), the oracle
     runs with that order and the cross-replica sum must match **bit for bit**.
+    Not for extension floats (ml_dtypes' bfloat16, float8_*): the sim adds
+    them in the dtype, while runtimes add them in a wider type (XLA:CPU's
+    psum of ``[1] + [2**-8] * 7`` in bfloat16 is 1.03125, the sequential
+    bfloat16 sum 1.0), so they are compared with the bound below, the
+    oracle counted as inexact.
   - Otherwise the oracle runs with ``"exact"`` (correctly rounded) sums and
     the backend's result must lie within a **rigorous error bound** of it.
   - A sum that is partly computed by the backend's own array library

@@ -83,6 +83,25 @@ def test_the_cache_is_bounded() -> None:
     assert second.data_ptr() != smaller.data_ptr() != third.data_ptr()
 
 
+def test_a_new_size_that_evicts_every_idle_block_is_still_kept() -> None:
+    """Eviction may empty the list of the very size being requested: the new block
+    must still be kept, and recycled once dropped."""
+    nbytes = N * 4
+    cache = ResultCache(2 * nbytes)
+    _dropped(cache)  # an idle block of nbytes
+    address = _dropped_size(cache, 2 * N)  # needs all the room: evicts it
+    assert cache.nbytes == 2 * nbytes
+    again = cache.empty((2 * N,), torch.float32)
+    assert again.data_ptr() == address  # the block was kept, and is handed out again
+    assert cache.nbytes == 2 * nbytes
+
+
+def _dropped_size(cache: ResultCache, n: int) -> int:
+    t = cache.empty((n,), torch.float32)
+    t.fill_(2.0)
+    return t.data_ptr()
+
+
 def test_small_and_oversized_results_are_not_cached() -> None:
     cache = ResultCache(MIB)
     small = cache.empty((CACHE_MIN_BYTES // 4 - 1,), torch.float32)

@@ -217,7 +217,10 @@ def test_children_of_a_worker_are_stopped_too(tmp_path: Path) -> None:
         assert not _alive(pid), f"the child of worker {r} survived the launch"
 
 
-def test_sigterm_to_the_launcher_stops_the_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_stop_signal_to_the_launcher_stops_the_workers(tmp_path: Path, sig: str) -> None:
+    """kill, a closed terminal or ssh session (SIGHUP), Ctrl-C."""
+    signum = getattr(signal, sig)
     script = _script(
         tmp_path,
         """
@@ -246,13 +249,13 @@ def test_sigterm_to_the_launcher_stops_the_workers(tmp_path: Path) -> None:
     )
     try:
         pids = [int(_wait_for(tmp_path / f"pid{r}")) for r in "01"]
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signum)
         _, err = launcher.communicate(timeout=20)
     finally:
         launcher.kill()
         launcher.wait(timeout=10)
-    assert launcher.returncode == 128 + signal.SIGTERM
-    assert "interrupted by SIGTERM; stopped worker(s) 0, 1" in err
+    assert launcher.returncode == 128 + signum
+    assert f"interrupted by {sig}; stopped worker(s) 0, 1" in err
     assert not any(_alive(p) for p in pids)
 
 

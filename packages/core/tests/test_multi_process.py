@@ -119,6 +119,14 @@ def test_describe_workers() -> None:
     )
 
 
+def test_resolve_cluster_refuses_arguments_of_the_wrong_type() -> None:
+    options = CommunicationOptions(timeout_seconds=7)
+    with pytest.raises(TypeError, match="got CommunicationOptions.*by keyword"):
+        mp.resolve_cluster(options, None, "RANK", "WORLD_SIZE", None, what="torchrun")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="communication_options must be .* got int: 30"):
+        mp.resolve_cluster(None, 30, "RANK", "WORLD_SIZE", None, what="torchrun")  # type: ignore[arg-type]
+
+
 def test_resolve_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = ClusterSpec({"worker": ["w0:1", "w1:2"]})
     given = SimpleClusterResolver(spec, task_type="worker", task_id=1)
@@ -222,9 +230,12 @@ def test_check_signature() -> None:
 
     def prepare() -> int:
         agreeing.calls.append(("prepare",))
+        # At the check, the heartbeat counts the collective as reached (see entering).
+        assert member.entering and member.collectives == 0
         return 7
 
     assert member.checked("all_gather", "int32", (2,), 0, prepare) == (7, ["", ""])
+    assert not member.entering
     assert agreeing.calls == [
         ("all_gather", "int32", (2,), 0, ""),
         ("prepare",),

@@ -226,3 +226,61 @@ def test_default_replica_context_returns_the_value(conformance: Conformance) -> 
 
     value = np.asarray([1.0, 2.0], np.float32)
     conformance.check(program, strategy="default", expected={"sum": value, "mean": value})
+
+
+_NO_ML_DTYPES = "NumPy's bfloat16 (the sim oracle's) comes from ml_dtypes, not installed"
+
+
+def _namespace_bfloat16(xp: Any) -> Any:
+    """The array namespace's bfloat16: its own, else ml_dtypes' (NumPy's)."""
+    dtype = getattr(xp, "bfloat16", None)
+    if dtype is None:
+        dtype = pytest.importorskip("ml_dtypes", reason=_NO_ML_DTYPES).bfloat16
+    return dtype
+
+
+def _bfloat16_or_skip(conformance: Conformance) -> None:
+    """Skips where bfloat16 results cannot be compared as bfloat16."""
+    backend = conformance.backend
+    xp = backend.array_namespace()
+    dtype = _namespace_bfloat16(xp)
+    try:
+        zeros = xp.zeros((1,), dtype=dtype)
+    except (TypeError, ValueError) as e:
+        pytest.skip(f"backend {backend.name!r}: its array namespace has no bfloat16 ({e})")
+    got = np.asarray(backend.to_numpy(zeros)).dtype
+    if got.name != "bfloat16":
+        pytest.skip(
+            f"backend {backend.name!r}: to_numpy returns {got} for a bfloat16 array, so its "
+            "bfloat16 results cannot be compared as bfloat16"
+        )
+    _namespace_bfloat16(np)  # the oracle's
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_bfloat16(conformance: Conformance, op: str) -> None:
+    """bfloat16 sums, as TF's add_n and JAX's psum give them (mixed precision).
+
+    Runtimes add bfloat16 in a wider type (XLA:CPU's psum does), so these sums
+    are compared within the error bound even where the order is bitwise.
+    """
+    _bfloat16_or_skip(conformance)
+    n = conformance.replicas
+    # Replica 0 has 1, the others 2**-8: each tie goes to 1.0 when every addition
+    # rounds to bfloat16. All inputs and partial sums are exact in float32.
+    inputs = [np.asarray([1.0 if r == 0 else 2.0**-8, r * 0.25 - 0.5]) for r in range(n)]
+    reduction = Reduction.across_replicas(inputs, mean=op == "MEAN")
+
+    def program(strategy: pd.Strategy, xp: Any) -> Any:
+        bf16 = _namespace_bfloat16(xp)
+        rows = [xp.astype(xp.asarray(v, dtype=xp.float32), bf16) for v in inputs]
+        out = strategy.run(_all_reduce(op), args=(distribute(strategy, xp, rows),))
+        return reduced(out, reduction)
+
+    if op == "SUM":
+        exact = np.asarray([1 + (n - 1) * 2.0**-8, 0.125 * n * (n - 1) - 0.5 * n])
+        # float64 -> float32 is exact here, so the cast rounds once.
+        total = exact.astype(np.float32).astype(_namespace_bfloat16(np))
+        conformance.check(program, expected=per_replica([total] * n))
+    else:
+        conformance.check(program)

@@ -10,7 +10,11 @@ Each takes one value per replica. Three kinds of input reach them:
 
 Sums always add in replica order, ``((x0 + x1) + x2) + ...``, rounding after
 each addition: that is what XLA's CPU all-reduce does, so the results equal
-the compiled ``psum`` and the sim's ``"sequential"`` order bit for bit.
+the compiled ``psum`` and the sim's ``"sequential"`` order bit for bit. Not on
+bfloat16 and the float8 dtypes: XLA:CPU adds those in a wider type (its
+``psum`` of ``[1] + [2**-8] * 7`` in bfloat16 is 1.03125, not 1.0), so their
+sums agree with the sim only within the error bound of
+``polydist_conformance.tolerance``.
 """
 
 from __future__ import annotations
@@ -61,12 +65,17 @@ def on_device(value: Any, device: jax.Device) -> Any:
 
 
 def check_summable(values: Sequence[Any]) -> None:
-    """Refuses what the sim's sum refuses, with its message: here ml_dtypes' floats
-    (bfloat16, float8_*). Bool never gets here: core refuses it first
+    """Refuses what the sim's sum refuses, with its message: ml_dtypes' integers
+    (int4, uint4, int2, ...). Its floats (bfloat16, float8_*) are summed, as
+    ``psum`` and TF's ``add_n`` do. Bool never gets here: core refuses it first
     (``polydist._arrays.check_summable``)."""
     dtype = np.dtype(values[0].dtype)
-    if dtype.kind not in "iufc":
-        raise TypeError(f"cannot SUM replica values of dtype {dtype} ({describe(values[0])})")
+    if dtype.kind not in "iufc" and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"cannot SUM replica values of dtype {dtype} ({describe(values[0])}): the sim "
+            "sums NumPy's integer, float and complex dtypes and ml_dtypes' floats "
+            "(bfloat16, float8_*). Cast to one of them first, e.g. x.astype(jnp.int8)."
+        )
 
 
 def reduce_to(values: Sequence[Any], destination: str) -> Any:

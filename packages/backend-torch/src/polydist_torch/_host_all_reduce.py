@@ -97,7 +97,8 @@ class ResultCache:
                 return None
         # A resizable storage, as torch.empty's (UntypedStorage(n) is not).
         block = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()
-        blocks.append(block)
+        # Looked up again: _evict may have deleted this size's (empty) list.
+        self._blocks.setdefault(nbytes, []).append(block)
         self._bytes += nbytes
         return block
 

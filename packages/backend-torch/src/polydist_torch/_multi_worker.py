@@ -294,7 +294,16 @@ class _ProcessGroup(mp.ClusterMembership):
         return cls(f"{head} failed; no other worker looks unavailable or late.{tail}")
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
-        view = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+        wide = _SUM_WIDER.get(tensor.dtype)
+        if wide is not None:  # a dtype gloo cannot sum: sum wider, then cast back
+            wider = tensor.to(wide)
+            self.call("all_reduce", lambda: dist.all_reduce(wider, op=dist.ReduceOp.SUM))
+            tensor.copy_(wider)  # integers wrap around, as their own sum would
+            return
+        if tensor.is_complex():
+            view = torch.view_as_real(tensor)
+        else:  # unsigned: the signed sum of the same bits is the modular unsigned sum
+            view = tensor.view(_SAME_BITS.get(tensor.dtype, tensor.dtype))
         self.call("all_reduce", lambda: dist.all_reduce(view, op=dist.ReduceOp.SUM))
 
     def all_reduce(self, tensor: torch.Tensor, cache: ResultCache) -> torch.Tensor:
@@ -348,21 +357,38 @@ class _ProcessGroup(mp.ClusterMembership):
         return _unwire(torch.cat(trimmed, dim=axis), tensor.dtype)
 
 
+# Dtypes gloo refuses ("Invalid scalar type"). A SUM of them runs in a dtype gloo
+# sums: unsigned ints as the signed ints of the same bits (two's complement addition
+# is the modular unsigned one), 16-bit ints and float8 in a wider dtype.
+_SAME_BITS = {torch.uint32: torch.int32, torch.uint64: torch.int64}
+_SUM_WIDER = {
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    **{dtype: torch.float32 for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)},
+}
+# What moves (broadcast, all_gather) a dtype gloo refuses: any dtype of its size.
+_MOVE_AS = {
+    torch.bool: torch.uint8,
+    torch.int16: torch.float16,
+    torch.uint16: torch.float16,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+    **_SAME_BITS,
+}
+
+
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """A view gloo can move: complex as real pairs, bool as uint8."""
+    """A view gloo can move (the same bytes): complex as real pairs, other dtypes gloo
+    refuses as a dtype of the same size (`_MOVE_AS`)."""
     if tensor.is_complex():
         return torch.view_as_real(tensor)
-    if tensor.dtype == torch.bool:
-        return tensor.view(torch.uint8)
-    return tensor
+    return tensor.view(_MOVE_AS.get(tensor.dtype, tensor.dtype))
 
 
 def _unwire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype.is_complex:
         return torch.view_as_complex(tensor.contiguous())
-    if dtype == torch.bool:
-        return tensor.view(torch.bool)
-    return tensor
+    return tensor.view(dtype)
 
 
 class TorchProcessGroupBackend(TorchBackend):

@@ -15,6 +15,7 @@ __all__ = [
     "describe",
     "dtype_name",
     "is_array",
+    "is_integral",
     "mean_from_sum",
 ]
 
@@ -64,8 +65,14 @@ def _contains_numpy(value: Any) -> bool:
     return isinstance(value, np.generic | np.ndarray)
 
 
-def _is_integral(xp: Any, dtype: Any) -> bool:
-    return bool(xp.isdtype(dtype, ("integral", "bool")))
+def is_integral(xp: Any, dtype: Any) -> bool:
+    """Integer or bool, for any backend's dtype (ml_dtypes' bfloat16 included)."""
+    try:
+        return bool(xp.isdtype(dtype, ("integral", "bool")))
+    except TypeError:
+        # NumPy's isdtype refuses dtypes it does not define (ml_dtypes' bfloat16,
+        # float8_*, int4): only its own kinds can be integral here.
+        return getattr(dtype, "kind", None) in ("b", "i", "u")
 
 
 def mean_from_sum(xp: Any, total: Any, count: int) -> Any:
@@ -74,7 +81,7 @@ def mean_from_sum(xp: Any, total: Any, count: int) -> Any:
     As in TF's ``truediv``, integer (and bool) sums become float64 first; a
     float sum keeps its dtype.
     """
-    if _is_integral(xp, total.dtype):
+    if is_integral(xp, total.dtype):
         with warnings.catch_warnings():
             # A namespace without float64 (JAX with x64 off, which declares
             # Capabilities.float64=False) gives its widest float instead.

@@ -681,7 +681,7 @@ def _add_launch(sub: Any) -> None:
         "--timeout",
         type=_nonnegative_float,
         metavar="S",
-        help="stop every worker after S seconds (default: no limit)",
+        help="stop every worker after S seconds (default, or 0: no limit)",
     )
     p.add_argument(
         "--grace",

@@ -7,6 +7,7 @@ short forms (``/gpu:0``, ``GPU:0``, ``/device:GPU:0``) or torch's ``cuda:0``.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -78,6 +79,14 @@ def _bad(spec: object) -> str:
 def canonicalize(spec: str, *, job: str = "localhost", task: int = 0) -> str:
     """Returns the canonical TF string for ``spec``, e.g. ``/gpu:1`` ->
     ``/job:localhost/replica:0/task:0/device:GPU:1``."""
+    if not isinstance(spec, str):
+        raise ValueError(_bad(spec))
+    return _canonical(spec, job, task)
+
+
+@functools.lru_cache(maxsize=1024)
+def _canonical(spec: str, job: str, task: int) -> str:
+    # Called on every reduce and placement with a handful of distinct strings.
     return DeviceSpec.parse(spec, job=job, task=task).to_string()
 
 

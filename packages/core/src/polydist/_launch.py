@@ -22,13 +22,17 @@ port 0 (or ``P, P+1, ...`` with ``--port P``).
 Each line a worker writes to stdout (stderr) appears on the launcher's stdout
 (stderr) prefixed with ``[worker i]``. Each worker runs in a process group of
 its own (a new session). When a worker exits with a non-zero code, or the
-``--timeout`` expires, or the launcher gets SIGINT/SIGTERM, every worker's
-process group gets SIGTERM, and SIGKILL after ``--grace`` seconds; then the
-launcher exits non-zero and names the worker that failed.
+``--timeout`` expires, or the launcher gets SIGINT, SIGTERM, SIGHUP (its
+terminal or ssh session closed) or SIGQUIT, every worker's process group gets
+SIGTERM, and SIGKILL after ``--grace`` seconds; then the launcher exits
+non-zero and names the worker that failed. A launcher killed with SIGKILL
+cannot stop anything: its workers then run on (stop them by their process
+group, ``kill -- -PID``).
 
 Exit codes: 0 every worker exited 0; the first failed worker's code (128+N
-for a worker killed by signal N); 124 the timeout expired; 130/143 the
-launcher was interrupted; 2 bad usage.
+for a worker killed by signal N); 124 the timeout expired; 128+N the
+launcher was stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP); 2 bad
+usage.
 """
 
 from __future__ import annotations
@@ -177,22 +181,51 @@ class _Output:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-@contextlib.contextmanager
-def _interruptible() -> Iterator[None]:
-    """Turns SIGINT/SIGTERM into `_Interrupted` while the launcher waits (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+# What stops the launcher, and so every worker: Ctrl-C, kill, a closed terminal or
+# ssh session (SIGHUP), Ctrl-\\ (SIGQUIT).
+_STOP_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+
+class _Interruptions:
+    """Turns `_STOP_SIGNALS` into `_Interrupted` while the launcher waits (main thread
+    only); inside `deferred`, the signal is held and raised at its end, so that a worker
+    started is always recorded (and so stopped)."""
+
+    def __init__(self) -> None:
+        self._deferring = False
+        self._pending: int | None = None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self._handler) for s in _STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending is not None:
+            raise _Interrupted(self._pending)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self._deferring:
+            self._pending = signum
+            return
         raise _Interrupted(signum)
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -292,18 +325,20 @@ def launch(
             err.write(f"polydist launch: {text}\n")
             err.flush()
 
-    with _interruptible():
+    interruptions = _Interruptions()
+    with interruptions.active():
         try:
             for i in range(num_workers):
-                proc = subprocess.Popen(
-                    command,
-                    env=worker_environment(i, ports, backend=backend, base=env),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                )
-                procs.append(proc)
+                with interruptions.deferred():
+                    proc = subprocess.Popen(
+                        command,
+                        env=worker_environment(i, ports, backend=backend, base=env),
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        start_new_session=True,
+                    )
+                    procs.append(proc)
                 assert proc.stdout is not None
                 assert proc.stderr is not None
                 output.follow(proc.stdout, f"[worker {i}]", out)
@@ -356,11 +391,11 @@ def launch(
 
 @contextlib.contextmanager
 def _ignoring_signals() -> Iterator[None]:
-    """Defers SIGINT/SIGTERM while the workers are being stopped (main thread only)."""
+    """Ignores `_STOP_SIGNALS` while the workers are being stopped (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS}
     try:
         yield
     finally:

@@ -240,6 +240,20 @@ def resolve_cluster(
     """The cluster of a strategy created with ``cluster_resolver``: when it is None,
     `default_cluster_resolver` with a launcher's variables (`environment_cluster_resolver`
     of ``rank_var``, ``size_var``, ``address`` and ``what``)."""
+    if cluster_resolver is not None and not isinstance(cluster_resolver, ClusterResolver):
+        raise TypeError(
+            f"cluster_resolver must be a polydist ClusterResolver (e.g. "
+            f"TFConfigClusterResolver()) or None, got {type(cluster_resolver).__name__}: "
+            f"{cluster_resolver!r}. Pass CommunicationOptions by keyword: "
+            "MultiWorkerMirroredStrategy(communication_options=...)."
+        )
+    if communication_options is not None and not isinstance(
+        communication_options, CommunicationOptions
+    ):
+        raise TypeError(
+            "communication_options must be a polydist CommunicationOptions or None, got "
+            f"{type(communication_options).__name__}: {communication_options!r}."
+        )
     if cluster_resolver is None:
         cluster_resolver = default_cluster_resolver(
             environment_cluster_resolver(rank_var, size_var, address, what=what)
@@ -715,6 +729,9 @@ class ClusterMembership:
         self.names = list(names)
         self.addresses = list(addresses)
         self.collectives = 0  # how many collectives this process has entered
+        # At the collective check of the next one: its heartbeat counts it as reached,
+        # or a peer waiting there for a stuck third would look behind too.
+        self.entering = False
         self.failure: errors.OpError | None = None
         self.heartbeat: Heartbeat | None = None
         self.checker: CollectiveChecker | None = None
@@ -733,7 +750,7 @@ class ClusterMembership:
 
         def collectives() -> int | None:
             member = me()
-            return None if member is None else member.collectives
+            return None if member is None else member.collectives + member.entering
 
         self.heartbeat = Heartbeat(make_store, self.rank, self.world_size, collectives)
         self.checker = CollectiveChecker(
@@ -778,6 +795,7 @@ class ClusterMembership:
         if self.checker is None or self.failure is not None:
             # no store to compare through (or `call` raises the failure)
             return prepare(), None
+        self.entering = True
         try:
             pending = self.checker.publish(op, dtype, shape, axis, payload)
             prepared = prepare()
@@ -787,6 +805,8 @@ class ClusterMembership:
         except self.engine_errors as e:
             self.collectives += 1  # the collective it was entering, for the diagnosis
             raise self.failed(op, e) from e
+        finally:
+            self.entering = False
 
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, collective ``what``; an engine error in it fails the cluster (`failed`),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from polydist import _context, _nest
 from polydist._arrays import check_summable, convert_to_array, is_array, mean_from_sum
@@ -106,11 +106,14 @@ class ReplicaContext:
         """
         _context.require_replica_context(self)
         reduce_op = as_reduce_op(reduce_op)
-        value = _variables_snapshot(value)  # a variable contributes this replica's copy
         if self._channel is None:
-            return value
-        single = is_array(value)  # the common case skips flattening
-        flat, spec = ([value], None) if single else _nest.flatten(value)
+            return _variables_snapshot(value)
+        # One flatten; a variable contributes this replica's copy (its current array).
+        if is_array(value):  # the common case (a variable included) skips flattening
+            flat, spec = [_operand(value)], None
+        else:
+            flat, spec = _nest.flatten(value)
+            flat = [_operand(x) for x in flat]
         arrays = [convert_to_array(x) for x in flat]
         check_summable(reduce_op, arrays)
         summed = self._channel.all_reduce(reduce_op, arrays)
@@ -164,6 +167,19 @@ def _variables_snapshot(value: Any) -> Any:
     from polydist._variables import snapshot  # _variables imports this module's users
 
     return snapshot(value)
+
+
+_variable_type: type | None = None
+
+
+def _operand(leaf: Any) -> Any:
+    """A leaf as an all_reduce sends it: a variable's current array, else itself."""
+    global _variable_type
+    if _variable_type is None:  # _variables imports this module's users: resolve lazily
+        from polydist._variables import Variable
+
+        _variable_type = Variable
+    return cast(Any, leaf)._operand() if isinstance(leaf, _variable_type) else leaf
 
 
 def _check_gather_axis(a: Any, axis: int) -> None:

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from polydist import _context, _cross_device_ops, _indexed_slices, _nest, _trace, _variables
-from polydist._arrays import check_summable, convert_to_array, describe, mean_from_sum
+from polydist._arrays import (
+    check_summable,
+    convert_to_array,
+    describe,
+    is_integral,
+    mean_from_sum,
+)
 from polydist._backend import Backend, get_backend
 from polydist._devices import HOST_DEVICE, canonicalize
 from polydist._extended_mixin import ExtendedVariablesMixin
@@ -123,11 +129,7 @@ class StrategyExtended(ExtendedVariablesMixin):
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        n = len(self._devices)
-        if _has_distributed(args) or _has_distributed(kwargs):
-            per_replica = [(select_replica(r, args), select_replica(r, kwargs)) for r in range(n)]
-        else:
-            per_replica = [(args, kwargs)] * n
+        per_replica = _per_replica_args(args, kwargs, len(self._devices))
         if _trace.is_tracing():
             _trace.begin_step()
         results = self._backend.run_replicas(self._replica_runner_view(), fn, per_replica)
@@ -436,7 +438,7 @@ class Strategy:
         denom = sum(counts)
         numer = xp.asarray(numer)
         with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
-            if xp.isdtype(numer.dtype, ("integral", "bool")):
+            if is_integral(xp, numer.dtype):
                 return xp.asarray(xp.astype(numer, xp.float64) / denom)
             return xp.asarray(numer / xp.asarray(denom, dtype=numer.dtype))
 
@@ -520,9 +522,26 @@ class Strategy:
         )
 
 
-def _has_distributed(tree: Any) -> bool:
-    leaves, _ = _nest.flatten(tree)
-    return any(isinstance(leaf, DistributedValues) for leaf in leaves)
+def _per_replica_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], n: int
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Each replica's ``(args, kwargs)``: `select_replica` of both, with one flatten for
+    all replicas; the very same pair for all when nothing in them is distributed."""
+    flat, spec = _nest.flatten((args, kwargs))
+    if not any(isinstance(leaf, DistributedValues) for leaf in flat):
+        return [(args, kwargs)] * n
+    picked = [
+        i
+        for i, leaf in enumerate(flat)
+        if isinstance(leaf, DistributedValues) and not leaf._select_whole
+    ]
+    out = []
+    for r in range(n):
+        leaves = list(flat)
+        for i in picked:
+            leaves[i] = flat[i].values[r]
+        out.append(_nest.unflatten(spec, leaves))
+    return out
 
 
 def _check_reduce_op(reduce_op: Any) -> ReduceOp:

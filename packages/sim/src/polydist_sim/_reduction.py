@@ -25,14 +25,26 @@ and several that model what real runtimes do:
     integers (the values are dyadic rationals).  Non-finite inputs follow
     IEEE: any nan, or both +inf and -inf, gives nan; else the infinity.  An
     exact zero sum is -0.0 only if every input is -0.0 (as in IEEE addition).
-    Complex dtypes reduce their real and imaginary parts separately.  Integer
-    dtypes wrap around in two's complement (like TF's ``add_n`` on int32);
-    modular addition is associative, so every order gives the same integers.
+    Complex dtypes reduce their real and imaginary parts separately.
+    ml_dtypes' floats (bfloat16, float8_e4m3fn, float8_e5m2, ...) widen to
+    float64 exactly too, but their casts from float64 round twice (through
+    float32: ``np.float64(1 + 2**-8 + 2**-40).astype(bfloat16)`` is 1.0, not
+    1.0078125), so the sim rounds ``s + E`` to the target's significand
+    itself (ties to even, the residual deciding at a midpoint) and casts
+    only the exactly representable result.  Past the largest finite value
+    that cast applies the format's own overflow rule, as one ``np.add`` in
+    the dtype would: inf for bfloat16 and float8_e5m2, NaN for the float8
+    ``fn``/``fnuz`` formats (they have no inf), saturation for the float4
+    and float6 ones.  Integer dtypes wrap around in two's complement (like
+    TF's ``add_n`` on int32); modular addition is associative, so every
+    order gives the same integers.
 
 ``"sequential"``
     Left to right in replica order, each partial sum rounded to the input
     dtype: ``((x0 + x1) + x2) + ...``.  This is what XLA's CPU all-reduce
-    does, so it reproduces a CPU ``psum`` bit for bit.
+    does, so it reproduces a CPU ``psum`` bit for bit, except on bfloat16 and
+    the float8 dtypes, which XLA:CPU accumulates in a wider type (its psum of
+    ``[1] + [2**-8] * 7`` in bfloat16 is 1.03125; this order gives 1.0).
 
 ``"reverse"``
     The same, from the last replica to the first.
@@ -53,16 +65,22 @@ and several that model what real runtimes do:
     chunk sizes, pipelining and channel counts differ, so this reproduces
     the *kind* of order dependence a ring has, not a particular library's bits.
 
-Non-numeric dtypes, bool included, are rejected with :class:`TypeError` in
-every order; core refuses a SUM or MEAN of bool with TF's reason before any
-backend sums (``polydist._arrays.check_summable``).  Every order returns a new
-array (never one of the inputs) with the inputs' shape and dtype;
-floating-point warnings are suppressed since overflow to inf is a legitimate
-result of a sum.
+ml_dtypes' floats are summed in every order, the modelled orders adding in
+the dtype (``np.add``, which ml_dtypes rounds correctly).  ml_dtypes is not a
+dependency of the sim: it is imported only when a user-defined dtype (one
+that NumPy does not define) arrives.  Non-numeric dtypes, bool included, and
+ml_dtypes' other dtypes (int4, complex32, ...) are rejected with
+:class:`TypeError` in every order; core refuses a SUM or MEAN of bool with
+TF's reason before any backend sums (``polydist._arrays.check_summable``).
+Every order returns a new array (never one of the inputs) with the inputs'
+shape and dtype; floating-point warnings are suppressed since overflow to
+inf is a legitimate result of a sum.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
@@ -99,8 +117,12 @@ def sum_replicas(values: Sequence[_Array], order: ReductionOrder = "exact") -> _
             raise ValueError(
                 f"replica values disagree: {a.dtype}{list(a.shape)} vs {dtype}{list(shape)}"
             )
-    if dtype.kind not in "iufc":
-        raise TypeError(f"cannot SUM replica values of dtype {dtype}")
+    if dtype.kind not in "iufc" and _extension_finfo(dtype) is None:
+        raise TypeError(
+            f"cannot SUM replica values of dtype {dtype}: the sim sums NumPy's integer, float "
+            "and complex dtypes and ml_dtypes' floats (bfloat16, float8_*). Cast to one of "
+            "them first, e.g. x.astype(np.int8)."
+        )
     if len(arrays) == 1:
         return arrays[0].copy()
     with np.errstate(all="ignore"):
@@ -160,9 +182,34 @@ def _sum_exact(arrays: Sequence[_Array]) -> _Array:
         out.real = _exact_float([a.real for a in arrays])
         out.imag = _exact_float([a.imag for a in arrays])
         return out
-    if dtype not in _EXACT_FLOATS:
-        raise TypeError(f"order='exact' supports float16/32/64 and complex64/128, not {dtype}")
+    if dtype not in _EXACT_FLOATS and _extension_finfo(dtype) is None:
+        raise TypeError(
+            f"order='exact' supports float16/32/64, complex64/128 and ml_dtypes' floats, "
+            f"not {dtype}"
+        )
     return _exact_float(arrays)
+
+
+@functools.lru_cache(maxsize=64)
+def _extension_finfo(dtype: np.dtype[Any]) -> Any:
+    """ml_dtypes' ``finfo`` of one of its real floats (bfloat16, float8_*, ...), else None.
+
+    Only a user-defined dtype (``isbuiltin == 2``) can be one, so NumPy's own
+    dtypes never import ml_dtypes (an optional dependency).
+    """
+    if dtype.isbuiltin != 2:
+        return None
+    try:
+        fi = importlib.import_module("ml_dtypes").finfo(dtype)
+    except (ImportError, TypeError, ValueError):  # no ml_dtypes, or not one of its floats
+        return None
+    # ml_dtypes.finfo(complex32) describes its float16 parts, as np.finfo does.
+    return fi if fi.dtype == dtype else None
+
+
+def _finfo(dtype: np.dtype[Any]) -> Any:
+    ext = _extension_finfo(dtype)
+    return np.finfo(dtype) if ext is None else ext
 
 
 def _two_sum(a: _F64, b: _F64) -> tuple[_F64, _F64]:
@@ -188,7 +235,12 @@ def _exact_float(arrays: Sequence[_Array]) -> _Array:
     t, r = _two_sum(s, big_e)
     # An exact zero: s is -0.0 exactly when every input was -0.0.
     t = np.where(t == 0, np.where((s == 0) & np.signbit(s), -0.0, 0.0), t)
-    out = t if dtype == np.float64 else _narrow(t, r, dtype)
+    if dtype == np.float64:
+        out = t
+    elif _extension_finfo(dtype) is None:
+        out = _narrow(t, r, dtype)
+    else:
+        out = _round_to_format(t, r, dtype)
     idx = np.flatnonzero(bad)
     if idx.size:
         out[idx] = _exact_fallback(np.stack([x[idx] for x in flat]), dtype)
@@ -212,6 +264,24 @@ def _narrow(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
     return y
 
 
+def _round_to_format(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
+    """``_narrow`` for ml_dtypes' floats, whose casts from float64 round twice
+    (through float32): round ``t + r`` to the target's significand here, then
+    cast the result, which the target holds exactly unless it is past the
+    target's largest value (the cast then applies the format's overflow rule)."""
+    fi = _extension_finfo(dtype)
+    minexp, nmant = int(fi.minexp), int(fi.nmant)
+    _, e = np.frexp(t)
+    qe = np.maximum(e - 1, minexp) - nmant  # exponent of the target's ulp at t
+    k = np.ldexp(t, -qe)  # t in target ulps: exact, and at most 2**(nmant + 1)
+    m = np.rint(k)  # ties to even
+    # On a midpoint of t the residual r says on which side the exact value lies.
+    mid = (np.abs(k - np.trunc(k)) == 0.5) & (r != 0)
+    m = np.where(mid, np.where(r > 0, np.ceil(k), np.floor(k)), m)
+    y: _Array = np.ldexp(m, qe).astype(dtype)
+    return y
+
+
 def _exact_fallback(cols: _F64, dtype: np.dtype[Any]) -> _F64:
     """Exact sums of the columns of ``cols`` (N, k), rounded to ``dtype``."""
     out = np.empty(cols.shape[1])
@@ -221,7 +291,7 @@ def _exact_fallback(cols: _F64, dtype: np.dtype[Any]) -> _F64:
         pinf, ninf = (c == np.inf).any(axis=0), (c == -np.inf).any(axis=0)
         nan = np.isnan(c).any(axis=0) | (pinf & ninf)
         out[~finite] = np.where(nan, np.nan, np.where(pinf, np.inf, -np.inf))
-    fi = np.finfo(dtype)
+    fi = _finfo(dtype)
     for j in np.flatnonzero(finite):
         out[j] = _exact_sum_scalar(cols[:, j].tolist(), fi.nmant + 1, fi.minexp, fi.maxexp - 1)
     return out
