@@ -9,8 +9,11 @@ the coordinator's death).
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +128,89 @@ def test_a_stalled_collective_is_named_and_ends_the_process(tmp_path: Path, jit:
     what = "strategy.run" if jit else "all_reduce"
     assert f"polydist: DeadlineExceededError: {what} (collective #" in err
     mpt.names_a_stalled_worker_1(err)
+
+
+def test_a_program_that_initialized_jax_itself_exits_cleanly(tmp_path: Path) -> None:
+    """polydist's exit handler (it stops the heartbeat before JAX shuts down) is registered
+    also when the program ran jax.distributed.initialize before creating the strategy."""
+    engine = mpt.Engine(HERE / "own_init_program.py", unset=ENGINE.unset)
+    result = engine.launch(tmp_path, timeout=120)
+    assert result.exit_code == 0, result.message
+    assert "polydist:" not in result.message and "Traceback" not in result.message
+    for w in range(mpt.WORKERS):
+        exited = json.loads((tmp_path / f"exit{w}.json").read_text())
+        assert exited == {
+            "sum": 1.0 + 2.0 + 3.0 + 4.0,
+            "bfloat16_sum": ["bfloat16", 2.0, 10.0],
+            "heartbeat_running": False,
+        }, w
+
+
+# --------------------------------------------------------------------------- the watchdog
+
+# The watchdog ends its process (os._exit): each case runs in a child process of its own.
+_WATCHDOG_CHILD = """
+import threading
+from polydist_jax._multi_worker import _Watchdog
+
+watchdog = _Watchdog()
+diagnosing = {name: threading.Event() for name in ("first", "second")}
+release = {name: threading.Event() for name in ("first", "second")}
+
+def diagnosis(name):
+    def explain():
+        diagnosing[name].set()
+        release[name].wait(30)
+        return f"the {name} call is late"
+    return explain
+"""
+
+
+def _run_watchdog_child(body: str) -> subprocess.CompletedProcess[str]:
+    code = _WATCHDOG_CHILD + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def test_a_call_that_returns_while_the_watchdog_diagnoses_it_does_not_end_the_process() -> None:
+    child = _run_watchdog_child(
+        """
+        first = watchdog.arm(0.05, diagnosis("first"))
+        assert diagnosing["first"].wait(30), "the watchdog did not fire"
+        watchdog.disarm(first)  # the late call returns during its diagnosis...
+        second = watchdog.arm(0.05, diagnosis("second"))  # ...and the next call starts
+        release["first"].set()  # the watchdog decides on the first call
+        # It went on to watch the second call: it did not end the process for the first.
+        assert diagnosing["second"].wait(30), "the watchdog stopped watching"
+        watchdog.disarm(second)
+        release["second"].set()
+        print("still running")
+        """
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout == "still running\n"
+    assert "polydist:" not in child.stderr
+
+
+def test_a_late_call_ends_the_process_even_after_an_older_call_disarms() -> None:
+    child = _run_watchdog_child(
+        """
+        import time
+        older = watchdog.arm(60, lambda: "the older call is late")
+        watchdog.arm(0.05, lambda: "the current call is late")
+        watchdog.disarm(older)  # stale: the current call stays armed
+        time.sleep(20)  # the watchdog ends it long before
+        print("not ended")
+        """
+    )
+    assert child.returncode == WATCHDOG_EXIT_CODE, child.stderr[-3000:]
+    assert "polydist: the current call is late\n" in child.stderr
+    assert "older" not in child.stderr and child.stdout == ""
 
 
 def test_workers_that_disagree_eagerly_raise_collective_mismatch(tmp_path: Path) -> None:

@@ -75,13 +75,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from polydist import _multi_process as mp
 from polydist import errors
-from polydist._arrays import describe
 from polydist._cluster import id_in_cluster, worker_count
 from polydist._communication import CommunicationOptions
 from polydist._devices import DeviceSpec
 from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS, MultiProcessMirroredStrategy
 from polydist.cluster_resolver import ClusterResolver
 from polydist_jax._backend import JaxBackend
+from polydist_jax._collectives import check_summable
 from polydist_jax._eager_grad import DifferentiableChannel
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
 from polydist_jax._spmd import CompiledRunner, _Mesh
@@ -137,26 +137,33 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._generation = 0  # how many times it was armed: the current arm's number
         self._deadline: float | None = None
         self._explain: Callable[[], str] = lambda: ""
         self._wake = threading.Event()
         thread = threading.Thread(target=self._loop, name="polydist-watchdog", daemon=True)
         thread.start()
 
-    def arm(self, seconds: float, explain: Callable[[], str]) -> None:
+    def arm(self, seconds: float, explain: Callable[[], str]) -> int:
+        """Watches the next ``seconds``; returns the arm's number, for `disarm`."""
         with self._lock:
+            self._generation += 1
             self._deadline = time.monotonic() + seconds
             self._explain = explain
+            generation = self._generation
         self._wake.set()
+        return generation
 
-    def disarm(self) -> None:
+    def disarm(self, generation: int) -> None:
+        """Ends arm number ``generation``, unless a later arm replaced it."""
         with self._lock:
-            self._deadline = None
+            if generation == self._generation:
+                self._deadline = None
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                deadline, explain = self._deadline, self._explain
+                generation, deadline, explain = self._generation, self._deadline, self._explain
             if deadline is None:
                 self._wake.wait()  # until armed
                 self._wake.clear()
@@ -165,11 +172,12 @@ class _Watchdog:
             if remaining > 0:
                 time.sleep(min(remaining, 0.1))
                 continue
-            message = explain()
+            message = explain()  # diagnosing takes seconds: the call may return meanwhile
             with self._lock:
-                if self._deadline is None:  # it returned while we were diagnosing
-                    continue
-            _exit_with(message, WATCHDOG_EXIT_CODE)
+                # Only the late call itself, still armed, ends the process (not a later one).
+                late = generation == self._generation and self._deadline is not None
+            if late:
+                _exit_with(message, WATCHDOG_EXIT_CODE)
 
 
 def _exit_with(message: str, code: int) -> None:
@@ -242,7 +250,7 @@ def initialize(
             "CommunicationOptions(timeout_seconds=...)."
         )
 
-    watchdog.arm(timeout_seconds, explain)
+    armed = watchdog.arm(timeout_seconds, explain)
     try:
         jax.distributed.initialize(
             address,
@@ -252,8 +260,7 @@ def initialize(
             heartbeat_timeout_seconds=jax_bound,
         )
     finally:
-        watchdog.disarm()
-    atexit.register(_exit_without_jax_shutdown)  # runs before JAX's own exit handlers
+        watchdog.disarm(armed)
     return index, count
 
 
@@ -274,7 +281,7 @@ _CLUSTERS: weakref.WeakSet[_Cluster] = weakref.WeakSet()
 
 
 def _exit_without_jax_shutdown() -> None:
-    # Runs before JAX's own exit handlers (registered later). The heartbeat thread must
+    # Runs before JAX's own exit handlers (see _exit_handler). The heartbeat thread must
     # not be inside a call into JAX's C++ client when the interpreter finalizes.
     for cluster in list(_CLUSTERS):
         cluster.close(wait=5.0)  # leaves the collective check unless the cluster failed
@@ -282,6 +289,12 @@ def _exit_without_jax_shutdown() -> None:
     # aborts; leave without it (exit code 1, as for the uncaught error).
     if _FAILED:
         _exit_with(f"exiting after {type(_FAILED[0]).__name__} (skipping JAX's shutdown).", 1)
+
+
+# Registered by the first cluster, whether `initialize` or the program itself started
+# jax.distributed. atexit runs the last registered first; JAX registers its handlers (the
+# one that shuts jax.distributed down) on import and when its backends start, both earlier.
+_exit_handler = mp.once_per_process(lambda: atexit.register(_exit_without_jax_shutdown))
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -346,6 +359,7 @@ class _Cluster(mp.ClusterMembership):
         self.mesh = Mesh(np.array(self.devices, dtype=object), (_AXIS,))
         self.split = NamedSharding(self.mesh, pspec(_AXIS))
         self.replicated = NamedSharding(self.mesh, pspec())
+        _exit_handler()  # before the heartbeat starts; after JAX's backends (jax.devices())
         # The check waits longer than the watchdog: a peer alive but late gets its message.
         self.watch(
             lambda: _KeyValueStore("polydist/"),
@@ -384,11 +398,11 @@ class _Cluster(mp.ClusterMembership):
         """The watchdog, armed for the next collective, ``what``."""
         n = self.collectives + 1
         watchdog = _watchdog()
-        watchdog.arm(self.timeout, lambda: self._late_message(what, n))
+        armed = watchdog.arm(self.timeout, lambda: self._late_message(what, n))
         try:
             yield
         finally:
-            watchdog.disarm()
+            watchdog.disarm(armed)
 
     def _run(self, what: str, fn: Callable[[], Any]) -> Any:
         def completed() -> Any:
@@ -681,12 +695,7 @@ class JaxProcessBackend(JaxBackend):
 
     # -- collectives -----------------------------------------------------------------------
     def reduce_to(self, values: Sequence[Any], destination: str) -> Any:
-        dtype = np.dtype(values[0].dtype)
-        if dtype == np.bool_ or dtype.kind not in "iufc":
-            raise TypeError(
-                f"cannot SUM replica values of dtype {dtype} ({describe(values[0])}); TF's add_n "
-                "does not support it. Cast to a numeric dtype first."
-            )
+        check_summable(values)  # the single-process backend's rule (core refuses bool)
         if any(is_tracer(v) for v in values):
             return self._traced_sum(values)
         target = self._jax_device(destination)
