@@ -22,6 +22,7 @@ exits with code 17.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -77,8 +78,8 @@ def _ctx() -> pd.ReplicaContext:
 NARROW_DTYPES = ("int16", "int8", "uint8", "float16", "complex64")
 
 
-def _narrow_values(replica: Any, dtype: str) -> np.ndarray:
-    r = int(replica) + 1
+def _narrow_values(dtype: str, context: pd.experimental.ValueContext) -> np.ndarray:
+    r = int(context.replica_id_in_sync_group) + 1
     if dtype == "complex64":
         return (np.arange(4) * r + 1j * r).astype(np.complex64)
     wide = np.array([9000, -20000, 3, 127], dtype=np.int64) * r  # int16 sums overflow
@@ -119,7 +120,7 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     )
     for dtype in NARROW_DTYPES:  # gloo refuses int16: the backend must widen it
         narrow = strategy.experimental_distribute_values_from_function(
-            lambda c, dt=dtype: _narrow_values(c.replica_id_in_sync_group, dt)
+            functools.partial(_narrow_values, dtype)
         )
         out[f"all_reduce_{dtype}"] = local_components(
             strategy, strategy.run(lambda v: _ctx().all_reduce(pd.ReduceOp.SUM, v), args=(narrow,))

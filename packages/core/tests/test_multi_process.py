@@ -119,6 +119,20 @@ def test_describe_workers() -> None:
     )
 
 
+def test_gathered_sizes_validate_every_workers_shape() -> None:
+    rows = [mp.shape_row((2, 3)).tolist(), mp.shape_row((5, 3)).tolist()]
+    assert rows == [[2, 2, 3], [2, 5, 3]]
+    assert mp.gathered_sizes(rows, (2, 3), 0, rank=0) == [2, 5]
+    with pytest.raises(errors.InvalidArgumentError) as raised:
+        mp.gathered_sizes([[2, 2, 3], [2, 2, 4]], (2, 3), 0, rank=0)
+    assert str(raised.value) == (
+        "all_gather along axis 0: worker 0 has shape [2, 3] but worker 1 has [2, 4]; all "
+        "dimensions except axis 0 must match on every worker's replicas."
+    )
+    with pytest.raises(errors.InvalidArgumentError, match="worker 1 has \\[2\\]"):
+        mp.gathered_sizes([[2, 2, 3], [1, 2]], (2, 3), 0, rank=0)  # another rank
+
+
 def test_resolve_cluster_refuses_arguments_of_the_wrong_type() -> None:
     options = CommunicationOptions(timeout_seconds=7)
     with pytest.raises(TypeError, match="got CommunicationOptions.*by keyword"):

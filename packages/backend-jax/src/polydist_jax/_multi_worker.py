@@ -759,20 +759,8 @@ class JaxProcessBackend(JaxBackend):
         assert self._cluster is not None
         cluster = self._cluster
         cluster.check("all_gather", local, axis)
-        shape = np.zeros(1 + local.ndim, dtype=np.int64)
-        shape[0] = local.ndim
-        shape[1:] = local.shape
-        shapes = np.asarray(cluster.gather(jnp.asarray(shape)))
-        for w, row in enumerate(shapes):
-            other = [int(x) for i, x in enumerate(row[1:]) if i != axis]
-            mine = [int(x) for i, x in enumerate(local.shape) if i != axis]
-            if int(row[0]) != local.ndim or other != mine:
-                raise errors.InvalidArgumentError(
-                    f"all_gather along axis {axis}: worker {cluster.rank} has shape "
-                    f"{list(local.shape)} but worker {w} has {row[1:].tolist()}; all dimensions "
-                    f"except axis {axis} must match on every worker's replicas."
-                )
-        sizes = [int(row[1 + axis]) for row in shapes]
+        rows = np.asarray(cluster.gather(jnp.asarray(mp.shape_row(local.shape))))
+        sizes = mp.gathered_sizes(rows.tolist(), local.shape, axis, cluster.rank)
         biggest = max(sizes)
         padded = local
         if local.shape[axis] < biggest:

@@ -328,23 +328,11 @@ class _ProcessGroup(mp.ClusterMembership):
     def all_gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         """Every worker's ``tensor`` concatenated along ``axis`` in worker order; sizes
         along ``axis`` may differ, the other dimensions must match."""
-        rank = tensor.dim()
-        shape = torch.zeros(1 + max(rank, 1), dtype=torch.int64)
-        shape[0] = rank
-        shape[1 : 1 + rank] = torch.tensor(tensor.shape, dtype=torch.int64)
+        shape = torch.from_numpy(mp.shape_row(tensor.shape))
         shapes = [torch.empty_like(shape) for _ in range(self.world_size)]
         self.call("all_gather", lambda: dist.all_gather(shapes, shape))
-        dims = [s[1 : 1 + rank].tolist() for s in shapes]
-        for w, (s, d) in enumerate(zip(shapes, dims)):
-            other = [x for i, x in enumerate(d) if i != axis]
-            mine = [x for i, x in enumerate(tensor.shape) if i != axis]
-            if int(s[0]) != rank or other != mine:
-                raise errors.InvalidArgumentError(
-                    f"all_gather along axis {axis}: worker {self.rank} has shape "
-                    f"{list(tensor.shape)} but worker {w} has {d}; all dimensions except axis "
-                    f"{axis} must match on every worker's replicas."
-                )
-        sizes = [d[axis] for d in dims]
+        rows = [s.tolist() for s in shapes]
+        sizes = mp.gathered_sizes(rows, tensor.shape, axis, self.rank)
         biggest = max(sizes)
         wire = _wire(tensor.contiguous())
         if tensor.shape[axis] < biggest:

@@ -272,6 +272,30 @@ def resolve_cluster(
     )
 
 
+def shape_row(shape: Sequence[int]) -> np.ndarray:
+    """``[rank, *shape]`` as int64: what each worker sends before an all_gather across
+    workers, whose sizes along the axis may differ (`gathered_sizes`)."""
+    return np.asarray([len(shape), *shape], dtype=np.int64)
+
+
+def gathered_sizes(
+    rows: Sequence[Sequence[int]], shape: Sequence[int], axis: int, rank: int
+) -> list[int]:
+    """Every worker's size along ``axis`` from their `shape_row`s (``rows``, in worker
+    order); raises ``InvalidArgumentError`` unless the other dimensions match
+    ``shape``, this worker's (``rank``)."""
+    mine = [int(x) for i, x in enumerate(shape) if i != axis]
+    for w, row in enumerate(rows):
+        dims = [int(x) for x in row[1:]]
+        if int(row[0]) != len(shape) or [x for i, x in enumerate(dims) if i != axis] != mine:
+            raise errors.InvalidArgumentError(
+                f"all_gather along axis {axis}: worker {rank} has shape {list(shape)} but "
+                f"worker {w} has {dims}; all dimensions except axis {axis} must match on every "
+                "worker's replicas."
+            )
+    return [int(row[1 + axis]) for row in rows]
+
+
 def check_joining(worker_index: int, world: int, joined: tuple[int, int] | None) -> bool:
     """For ``connect_cluster(worker_devices, worker_index)`` of ``world`` workers: whether
     this process already joined that cluster (``joined``: its (worker index, cluster size),
