@@ -137,6 +137,12 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     out["reduce_axis_mean"] = [
         as_numpy(strategy, strategy.reduce(pd.ReduceOp.MEAN, uneven, axis=0))
     ]
+
+    def merge_axis_mean(v: Any) -> Any:  # inside run: compiled on JAX
+        return _ctx().merge_call(lambda s, x: s.reduce(pd.ReduceOp.MEAN, x, axis=0), args=(v,))
+
+    merged = strategy.run(merge_axis_mean, args=(ints,))  # exact: the same in any order
+    out["merge_axis_mean"] = [as_numpy(strategy, strategy.experimental_local_results(merged)[0])]
     out["gather"] = [as_numpy(strategy, strategy.gather(uneven, axis=0))]
     out["host_sum"] = [
         as_numpy(strategy, strategy.reduce(pd.ReduceOp.SUM, np.float32(1.5), axis=None))

@@ -348,6 +348,7 @@ class MultiWorkerTests:
         [
             "reduce_int_mean",
             "reduce_axis_mean",
+            "merge_axis_mean",
             "gather",
             "host_sum",
             "bool_refused",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import polydist as pd
@@ -57,3 +58,17 @@ def test_sim_satisfies_the_protocol_statically() -> None:
 
     backend: Backend = SimBackend()  # mypy checks this assignment against the Protocol
     assert isinstance(backend, Backend)
+
+
+def test_is_symbolic_reads_the_optional_method() -> None:
+    from polydist.backend import is_symbolic
+    from polydist_sim import SimBackend
+
+    sim = SimBackend()
+    assert not is_symbolic(sim, np.zeros(3))  # no such method: nothing is symbolic
+
+    class Tracing(SimBackend):
+        def is_symbolic(self, value: object) -> bool:
+            return isinstance(value, str)
+
+    assert is_symbolic(Tracing(), "a tracer") and not is_symbolic(Tracing(), np.zeros(3))

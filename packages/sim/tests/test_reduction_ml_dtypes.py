@@ -322,3 +322,20 @@ def test_strategy_reduce() -> None:
     mean0 = strategy.reduce("MEAN", values, axis=0)
     assert mean0.dtype == BF16 and mean0.shape == ()
     assert float(mean0) == 13.0 / 8
+
+
+def test_compute_average_loss_of_bfloat16_losses() -> None:
+    """TF's compute_average_loss accepts any floating loss: bfloat16 included."""
+    strategy = pd.MirroredStrategy(2, backend=SimBackend())
+
+    def step() -> Any:
+        losses = np.array([1.0, 2.0, 3.5], dtype=BF16)
+        return pd.nn.compute_average_loss(losses, global_batch_size=6)
+
+    per_replica = strategy.run(step)
+    # TF: the sum in bfloat16 (6.5, exact), divided by the batch size in bfloat16.
+    assert float(np.array(6.5, BF16) / np.array(6, BF16)) == 1.0859375
+    for value in per_replica.values:
+        assert value.dtype == BF16 and float(value) == 1.0859375
+    with pytest.raises(TypeError, match="floating-point"):
+        strategy.run(lambda: pd.nn.compute_average_loss(np.array([1, 2], ml_dtypes.int4)))

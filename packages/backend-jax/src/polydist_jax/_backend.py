@@ -188,6 +188,10 @@ class JaxBackend:
         stack.enter_context(traced.update_scope(replica))
         return stack
 
+    def is_symbolic(self, value: Any) -> bool:
+        """Core's optional hook: a tracer of a program being compiled."""
+        return is_tracer(value)
+
     def place(self, value: Any, device: str) -> Any:
         if is_tracer(value):
             return value

@@ -271,7 +271,10 @@ def _env_int(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"${name}={value!r} must be an integer.") from None
+        raise ValueError(
+            f"${name}={value!r} must be an integer (polydist launch sets it); unset it or "
+            "set it to this process's number."
+        ) from None
 
 
 _FAILED: list[errors.OpError] = []

@@ -75,6 +75,15 @@ def is_integral(xp: Any, dtype: Any) -> bool:
         return getattr(dtype, "kind", None) in ("b", "i", "u")
 
 
+def is_floating(xp: Any, dtype: Any) -> bool:
+    """Real or complex floating point, for any backend's dtype (ml_dtypes' bfloat16 and
+    float8_* included)."""
+    try:
+        return bool(xp.isdtype(dtype, ("real floating", "complex floating")))
+    except TypeError:  # a dtype NumPy does not define: ml_dtypes' floats are named so
+        return dtype_name(dtype).startswith(("bfloat", "float"))
+
+
 def mean_from_sum(xp: Any, total: Any, count: int) -> Any:
     """TF's MEAN: the SUM divided by ``count`` with true division.
 

@@ -43,6 +43,7 @@ __all__ = [
     "ReplicaChannel",
     "available_backends",
     "get_backend",
+    "is_symbolic",
     "local_tpu_system",
 ]
 
@@ -149,6 +150,10 @@ class Backend(Protocol):
     TPU cores this backend runs ``TPUStrategy`` on (a backend on real devices;
     see `local_tpu_system`). The backend must then accept
     ``/job:localhost/replica:0/task:0/device:TPU:k`` as core ``k``.
+
+    Optional: ``is_symbolic(value) -> bool``: whether ``value`` belongs to a program
+    being compiled (a JAX tracer), whose concrete values do not exist yet; see
+    `is_symbolic`.
     """
 
     name: str
@@ -294,6 +299,15 @@ def local_tpu_system(backend: Backend) -> LocalTPUSystem | None:
             f"polydist.tpu.LocalTPUSystem or None; got {type(system).__name__}."
         )
     return system
+
+
+def is_symbolic(backend: Backend, value: Any) -> bool:
+    """Whether ``value`` is a value of a program ``backend`` is compiling, from its
+    optional ``is_symbolic(value)`` method (``False`` without one). In a compiled step
+    that spans processes every worker runs the same program, so what derives from
+    shapes (a MEAN's element count) is the same on every worker."""
+    method = getattr(backend, "is_symbolic", None)
+    return bool(method(value)) if method is not None else False
 
 
 def _reset_registry_for_tests() -> None:

@@ -51,8 +51,8 @@ from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
 import numpy as np
 
 from polydist import _trace, _variables, errors
-from polydist._arrays import check_summable, convert_to_array, mean_from_sum
-from polydist._backend import Backend, Capabilities, ReplicaChannel
+from polydist._arrays import check_summable, convert_to_array, is_integral, mean_from_sum
+from polydist._backend import Backend, Capabilities, ReplicaChannel, is_symbolic
 from polydist._cluster import InReplicaContext
 from polydist._collective_check import (
     CollectiveChecker,
@@ -303,7 +303,9 @@ def check_joining(worker_index: int, world: int, joined: tuple[int, int] | None)
     as another worker (a process joins one cluster)."""
     if not 0 <= worker_index < world:
         raise ValueError(
-            f"worker_index {worker_index} is out of range for a cluster of {world} workers."
+            f"worker_index {worker_index} is out of range for a cluster of {world} workers: "
+            f"expected 0 <= index < {world}. Give each worker its own task index "
+            "(TF_CONFIG's task.index, or RANK) below the number of workers in the cluster."
         )
     if joined is None:
         return False
@@ -547,12 +549,16 @@ class MultiProcessMirroredStrategy(MultiWorkerMirroredStrategy):
         if reduce_op is ReduceOp.SUM:
             return numer
         local = sum(int(np.prod([c.shape[a] for a in axes], dtype=np.int64)) for c in components)
-        with collective_intent(reduce_op.value):
-            counted = extended._sum_over_workers(np.asarray(local, dtype=np.int64))
-        denom = int(extended._backend.to_numpy(counted))
+        if is_symbolic(extended._backend, numer):
+            # A compiled step: every worker runs this program, with these very shapes.
+            denom = local * extended._num_workers
+        else:  # eager: the workers' batches may differ (a partial last batch)
+            with collective_intent(reduce_op.value):
+                counted = extended._sum_over_workers(np.asarray(local, dtype=np.int64))
+            denom = int(extended._backend.to_numpy(counted))
         numer = xp.asarray(numer)
         with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
-            if xp.isdtype(numer.dtype, ("integral", "bool")):
+            if is_integral(xp, numer.dtype):
                 return xp.asarray(xp.astype(numer, xp.float64) / denom)
             return xp.asarray(numer / xp.asarray(denom, dtype=numer.dtype))
 

@@ -16,6 +16,7 @@ from polydist._backend import Capabilities as Capabilities
 from polydist._backend import ReplicaChannel as ReplicaChannel
 from polydist._backend import available_backends as available_backends
 from polydist._backend import get_backend as get_backend
+from polydist._backend import is_symbolic as is_symbolic
 from polydist._backend import local_tpu_system as local_tpu_system
 from polydist._eager import EagerReplicaRunner as EagerReplicaRunner
 from polydist._eager import busy_workers as busy_workers
@@ -32,6 +33,7 @@ __all__ = [
     "convert_to_array",
     "default_timeout",
     "get_backend",
+    "is_symbolic",
     "local_tpu_system",
     "mean_from_sum",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from polydist import _context
-from polydist._arrays import convert_to_array, describe
+from polydist._arrays import convert_to_array, describe, is_floating
 from polydist._reduce_op import ReduceOp
 
 __all__ = ["compute_average_loss", "compute_average_loss_exact", "scale_regularization_loss"]
@@ -56,7 +56,7 @@ def _weighted_losses(xp: Any, per_example_loss: Any, sample_weight: Any) -> Any:
             "Invalid value passed for `per_example_loss`. Expected a tensor with at least rank "
             f"1, got a scalar ({describe(losses)}). Pass one loss per example, not their mean."
         )
-    if not xp.isdtype(losses.dtype, ("real floating", "complex floating")):
+    if not is_floating(xp, losses.dtype):
         raise TypeError(
             f"per_example_loss must be a floating-point array, got {describe(losses)}; cast it "
             "first, e.g. to float32."
