@@ -26,6 +26,24 @@ def median_seconds(fn: Callable[[], Any], *, repeats: int, warmup: int = 2) -> f
     return statistics.median(samples)
 
 
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 2
+) -> dict[str, float]:
+    """Median wall time of each function, calling them in turn each round (after
+    ``warmup`` rounds), so that a baseline and what it is compared with see the same
+    machine state (clock, caches, other load)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
 def machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(),

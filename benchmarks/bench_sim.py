@@ -9,8 +9,11 @@ with the loss reduced to the host:
   with a per-replica batch of 1024 / replicas (at least 8 examples).
 
 The baseline is the same arithmetic written as a NumPy loop over replicas,
-with the same (sequential) summation order, in the same run. We also report
-the cost of a trivial ``run`` with one ``all_reduce``, per replica.
+with the same (sequential) summation order, in the same run: each round calls
+the plain loop and the sim in both orders in turn, and each time is the
+median over rounds (so that all see the same clock, caches and load). We
+also report the cost of a trivial ``run`` with one ``all_reduce``, per
+replica.
 
 Target (issue 2): at most 3x the plain loop at 8 replicas, linear growth.
 Writes benchmarks/results/sim.json.
@@ -26,7 +29,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median_seconds, write_results
+from _common import interleaved_medians, machine, median_seconds, write_results
 
 import polydist as pd
 from polydist_sim import SimBackend
@@ -122,16 +125,26 @@ def main() -> int:
                 continue  # 512 replicas of 4 MB gradients need ~8 GB for the copies alone
             xs, ys, params = make_data(n)
             repeats = max(3, args.repeats if n <= 64 else args.repeats // 3)
-            baseline = median_seconds(lambda: plain_loop(grads_fn, params, xs, ys), repeats=repeats)
-            row: dict[str, Any] = {"workload": workload, "replicas": n, "plain_numpy_s": baseline}
             xs_d, ys_d = pd.PerReplica(xs), pd.PerReplica(ys)
-            for order in ("sequential", "exact"):
-                strategy = pd.MirroredStrategy(n, backend=SimBackend(order))
-                t = median_seconds(
-                    lambda: strategy_step(strategy, grads_fn, params, xs_d, ys_d), repeats=repeats
-                )
-                row[f"sim_{order}_s"] = t
-                row[f"ratio_{order}"] = t / baseline
+            strategies = {
+                order: pd.MirroredStrategy(n, backend=SimBackend(order))
+                for order in ("sequential", "exact")
+            }
+            times = interleaved_medians(
+                {
+                    "plain": lambda: plain_loop(grads_fn, params, xs, ys),
+                    **{
+                        order: lambda s=s: strategy_step(s, grads_fn, params, xs_d, ys_d)
+                        for order, s in strategies.items()
+                    },
+                },
+                repeats=repeats,
+            )
+            baseline = times["plain"]
+            row: dict[str, Any] = {"workload": workload, "replicas": n, "plain_numpy_s": baseline}
+            for order in strategies:
+                row[f"sim_{order}_s"] = times[order]
+                row[f"ratio_{order}"] = times[order] / baseline
             rows.append(row)
             print(
                 f"{workload:6s} {n:4d} replicas  plain {baseline * 1e3:9.2f} ms  "
@@ -162,6 +175,8 @@ def main() -> int:
         "benchmark": "sim run + all_reduce + reduce per step vs plain NumPy loop",
         "device": "CPU (NumPy simulator)",
         "machine": machine(),
+        "notes": "ratio = sim time / plain NumPy loop time, medians over rounds that call "
+        "the plain loop and the sim in both orders in turn.",
         "rows": rows,
         "trivial_run_us_per_replica": overhead,
         "ratio_growth_from_8_to_most_replicas": {w: growth(w) for w in args.workloads},
