@@ -446,7 +446,7 @@ class MultiWorkerTests:
     def test_a_killed_worker_makes_the_survivor_raise_unavailable(self, tmp_path: Path) -> None:
         check_a_killed_worker_is_named(self.engine, tmp_path, victim=1)
 
-    @pytest.mark.parametrize("case", ["op", "shape", "extra"])
+    @pytest.mark.parametrize("case", ["op", "shape", "reduce_op", "extra"])
     def test_workers_that_disagree_on_a_collective_raise_collective_mismatch(
         self, tmp_path: Path, case: str
     ) -> None:

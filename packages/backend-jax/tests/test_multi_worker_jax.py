@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
+from polydist_conformance import multiprocess
 from polydist_conformance import multiprocess_tests as mpt
 from polydist_jax._multi_worker import WATCHDOG_EXIT_CODE
 
@@ -211,6 +212,21 @@ def test_a_late_call_ends_the_process_even_after_an_older_call_disarms() -> None
     assert child.returncode == WATCHDOG_EXIT_CODE, child.stderr[-3000:]
     assert "polydist: the current call is late\n" in child.stderr
     assert "older" not in child.stderr and child.stdout == ""
+
+
+def test_a_worker_that_ended_is_named_by_the_one_still_calling(tmp_path: Path) -> None:
+    """Worker 1 ends after one collective; worker 0 (the coordination service's host)
+    calls another and names worker 1 as gone. JAX then aborts worker 1's exit when worker
+    0's process leaves (docs/multi-host.md), so its code is 0 or SIGABRT."""
+    args = ("mismatch", "--case", "early_exit", "--timeout", mpt.MISMATCH_TIMEOUT)
+    codes = ENGINE.run(tmp_path, *args, timeout=120)
+    assert codes[0] == 17 and codes[1] in (0, -signal.SIGABRT), codes
+    error = mpt.error(tmp_path, 0)
+    assert error["type"] == "CollectiveMismatchError", error
+    message = error["message"]
+    where = multiprocess.mismatch_site("early_exit (worker 0)")
+    assert f"): all_reduce(SUM) of float32[3] at {where} in mismatch\n" in message, message
+    assert "): left the cluster after 1 collective(s) (its program ended" in message, message
 
 
 def test_workers_that_disagree_eagerly_raise_collective_mismatch(tmp_path: Path) -> None:

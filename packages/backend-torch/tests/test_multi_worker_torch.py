@@ -111,12 +111,6 @@ def test_worker_0_unreachable(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- disagreements
 
 
-def test_workers_that_disagree_on_the_reduce_op_raise_collective_mismatch(
-    tmp_path: Path,
-) -> None:
-    mpt.check_mismatch(ENGINE, tmp_path, "reduce_op", TestMultiWorker.mismatch_at)
-
-
 def test_a_worker_that_ended_is_named_by_the_one_still_calling(tmp_path: Path) -> None:
     args = ("mismatch", "--case", "early_exit", "--timeout", mpt.MISMATCH_TIMEOUT)
     assert ENGINE.run(tmp_path, *args, timeout=120) == [17, 0]
