@@ -89,6 +89,11 @@ def _checker(
     )
 
 
+def _check(c: CollectiveChecker, *signature: Any, **kwargs: Any) -> list[str] | None:
+    """What an engine does around a collective: publish, then confirm."""
+    return c.confirm(c.publish(*signature, **kwargs))
+
+
 def _together(*calls: Callable[[], None]) -> list[BaseException | None]:
     """Runs each worker's calls on its own thread; what each raised (None: nothing)."""
     raised: list[BaseException | None] = [None] * len(calls)
@@ -126,8 +131,8 @@ def test_agreeing_workers_pass_and_old_signatures_are_deleted(overlap: bool) -> 
         def run() -> None:
             for _ in range(3):
                 with collective_intent("SUM"):
-                    checkers[rank].check("all_reduce", np.dtype(np.float32), (3,))
-            checkers[rank].check("all_gather", np.dtype(np.int64), (4 + rank, 2), axis=0)
+                    _check(checkers[rank], "all_reduce", np.dtype(np.float32), (3,))
+            _check(checkers[rank], "all_gather", np.dtype(np.int64), (4 + rank, 2), axis=0)
 
         return run
 
@@ -150,13 +155,13 @@ def test_different_ops_raise_on_every_worker_naming_both_calls(overlap: bool) ->
 
     def worker0() -> None:
         with collective_intent("SUM", lambda: "train.py:10 in step"):
-            a.check("all_reduce", np.dtype(np.float32), (3,))
+            _check(a, "all_reduce", np.dtype(np.float32), (3,))
 
     def worker1() -> None:
-        b.check("all_gather", np.dtype(np.float32), (3,), axis=0)  # the call site: this line
+        b.confirm(b.publish("all_gather", np.dtype(np.float32), (3,), axis=0))  # the call site
 
     raised = _together(worker0, worker1)
-    line = _line_of("# the call site: this line")
+    line = _line_of("# the call site")
     for e in raised:
         assert isinstance(e, CollectiveMismatchError)
         lines = str(e).splitlines()
@@ -194,10 +199,10 @@ def test_publish_returns_before_the_others_arrive_and_confirm_compares(overlap: 
 
     def worker1() -> None:
         assert published.wait(10)
-        assert b.check("all_reduce", np.dtype(np.float32), (3,), payload="p1") == ["p0", "p1"]
+        assert _check(b, "all_reduce", np.dtype(np.float32), (3,), payload="p1") == ["p0", "p1"]
         order.append("worker 1 confirmed")
         with pytest.raises(CollectiveMismatchError, match="worker 0 .*float32"):
-            b.check("all_reduce", np.dtype(np.int32), (3,))
+            _check(b, "all_reduce", np.dtype(np.int32), (3,))
 
     assert _together(worker0, worker1) == [None, None]
     assert order[:2] == ["worker 0 published", "worker 0 prepared"]
@@ -211,7 +216,7 @@ def test_a_call_site_that_does_not_arrive_is_named_so() -> None:
     store.set("cc/mode/1", "1")
     store.set("cc/1/1", "all_gather(axis=0) of float32[*]\n")
     with pytest.raises(CollectiveMismatchError) as raised:
-        a.check("all_reduce", np.dtype(np.float32), (3,))
+        _check(a, "all_reduce", np.dtype(np.float32), (3,))
     assert (
         "worker 1 (/job:worker/replica:0/task:1 at 10.0.0.2:2222): all_gather(axis=0) of "
         "float32[*] at (its call site did not arrive)"
@@ -241,7 +246,7 @@ def test_any_difference_but_the_gathered_size_is_a_mismatch(
         def run() -> None:
             with collective_intent(reduce_op):
                 op = "all_reduce" if axis is None else "all_gather"
-                c.check(op, np.dtype(dtype), shape, axis)
+                _check(c, op, np.dtype(dtype), shape, axis)
 
         return run
 
@@ -255,7 +260,7 @@ def test_with_three_workers_the_odd_one_out_makes_all_raise() -> None:
 
     def call(rank: int) -> Callable[[], None]:
         size = 4 if rank == 2 else 3
-        return lambda: checkers[rank].check("all_reduce", np.dtype(np.float32), (size,))
+        return lambda: _check(checkers[rank], "all_reduce", np.dtype(np.float32), (size,))
 
     raised = _together(call(0), call(1), call(2))
     for e in raised:
@@ -271,8 +276,8 @@ def test_gathers_of_different_sizes_along_the_axis_agree() -> None:
     store = MemoryStore()
     a, b = _checker(store, 0), _checker(store, 1)
     raised = _together(
-        lambda: a.check("all_gather", np.dtype(np.float32), (4, 3), axis=0),
-        lambda: b.check("all_gather", np.dtype(np.float32), (1, 3), axis=0),
+        lambda: _check(a, "all_gather", np.dtype(np.float32), (4, 3), axis=0),
+        lambda: _check(b, "all_gather", np.dtype(np.float32), (1, 3), axis=0),
     )
     assert raised == [None, None]
 
@@ -280,13 +285,13 @@ def test_gathers_of_different_sizes_along_the_axis_agree() -> None:
 def test_a_compiled_step_is_compared_by_name() -> None:
     store = MemoryStore()
     a, b = _checker(store, 0), _checker(store, 1)
-    assert _together(lambda: a.check("strategy.run"), lambda: b.check("strategy.run")) == [
+    assert _together(lambda: _check(a, "strategy.run"), lambda: _check(b, "strategy.run")) == [
         None,
         None,
     ]
     raised = _together(
-        lambda: a.check("strategy.run"),
-        lambda: b.check("all_reduce", np.dtype(np.float32), ()),
+        lambda: _check(a, "strategy.run"),
+        lambda: _check(b, "all_reduce", np.dtype(np.float32), ()),
     )
     assert all(isinstance(e, CollectiveMismatchError) for e in raised)
     assert "): strategy.run at " in str(raised[0])
@@ -297,12 +302,12 @@ def test_a_worker_that_left_is_named_by_the_one_still_calling() -> None:
     store = MemoryStore()
     a, b = _checker(store, 0), _checker(store, 1)
     assert _together(
-        lambda: a.check("broadcast", np.dtype(np.float32), (2,)),
-        lambda: b.check("broadcast", np.dtype(np.float32), (2,)),
+        lambda: _check(a, "broadcast", np.dtype(np.float32), (2,)),
+        lambda: _check(b, "broadcast", np.dtype(np.float32), (2,)),
     ) == [None, None]
     b.leave()
     with pytest.raises(CollectiveMismatchError) as info:
-        a.check("broadcast", np.dtype(np.float32), (2,))
+        _check(a, "broadcast", np.dtype(np.float32), (2,))
     assert (
         "  worker 1 (/job:worker/replica:0/task:1 at 10.0.0.2:2222): left the cluster after 1 "
         "collective(s) (its program ended, or it called shutdown)"
@@ -313,8 +318,8 @@ def test_checks_run_only_when_every_worker_has_them_on() -> None:
     store = MemoryStore()
     a, b = _checker(store, 0), _checker(store, 1, enabled=False)
     raised = _together(
-        lambda: a.check("all_reduce", np.dtype(np.float32), (3,)),
-        lambda: b.check("all_gather", np.dtype(np.float32), (5,), axis=0),
+        lambda: _check(a, "all_reduce", np.dtype(np.float32), (3,)),
+        lambda: _check(b, "all_gather", np.dtype(np.float32), (5,), axis=0),
     )
     assert raised == [None, None]  # not compared: worker 1 turned the check off
     assert (a.enabled, b.enabled) == (False, False) and (a.seq, b.seq) == (1, 1)
@@ -326,7 +331,7 @@ def test_a_missing_peer_ends_the_wait_after_the_timeout() -> None:
     _checker(store, 1)  # joined, then never reaches the collective
     a = _checker(store, 0, timeout=0.3)
     with pytest.raises(PeerMissing, match=r"timed out after 0.3 s .* reach collective #1"):
-        a.check("all_reduce", np.dtype(np.float32), (3,))
+        _check(a, "all_reduce", np.dtype(np.float32), (3,))
 
 
 def test_a_silent_peer_ends_the_wait_before_the_timeout() -> None:
@@ -334,7 +339,7 @@ def test_a_silent_peer_ends_the_wait_before_the_timeout() -> None:
     _checker(store, 1)
     a = _checker(store, 0, timeout=600, heartbeat=FakeHeartbeat(silent=[1]))
     with pytest.raises(PeerMissing, match=r"worker\(s\) 1 stopped sending heartbeats"):
-        a.check("all_reduce", np.dtype(np.float32), (3,))
+        _check(a, "all_reduce", np.dtype(np.float32), (3,))
 
 
 def test_the_outermost_intent_wins() -> None:
@@ -344,7 +349,7 @@ def test_the_outermost_intent_wins() -> None:
     def nested(c: CollectiveChecker) -> Callable[[], None]:
         def run() -> None:
             with collective_intent("MEAN"), collective_intent("SUM"):
-                c.check("all_reduce", np.dtype(np.float32), ())
+                _check(c, "all_reduce", np.dtype(np.float32), ())
 
         return run
 
@@ -396,7 +401,7 @@ def test_worker_0_raises_a_mismatch_only_after_the_others_have_read_it() -> None
 
     def worker_0() -> None:
         with pytest.raises(CollectiveMismatchError):
-            first.check("all_reduce", np.dtype("float32"), (3,))
+            _check(first, "all_reduce", np.dtype("float32"), (3,))
         raised_at.append(time.monotonic())
 
     thread = threading.Thread(target=worker_0)
@@ -405,7 +410,7 @@ def test_worker_0_raises_a_mismatch_only_after_the_others_have_read_it() -> None
     assert not raised_at, "worker 0 raised before worker 1 read the signatures"
     seen_at = time.monotonic()
     with pytest.raises(CollectiveMismatchError, match=r"float32\[3\]"):
-        second.check("all_reduce", np.dtype("float32"), (4,))
+        _check(second, "all_reduce", np.dtype("float32"), (4,))
     thread.join(10)
     assert raised_at and raised_at[0] >= seen_at
     assert store.data["cc/1/seen/0"] == store.data["cc/1/seen/1"] == "1"

@@ -217,6 +217,31 @@ def test_children_of_a_worker_are_stopped_too(tmp_path: Path) -> None:
         assert not _alive(pid), f"the child of worker {r} survived the launch"
 
 
+def test_a_stop_signal_while_a_worker_starts_is_raised_once_it_is_recorded() -> None:
+    """Between Popen returning and the worker being recorded, a signal must not unwind:
+    the launcher could not stop that worker. It is held and raised right after."""
+    interruptions = _launch._Interruptions()
+    recorded: list[str] = []
+
+    def start_a_worker() -> None:
+        with interruptions.active(), interruptions.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode
+            recorded.append("worker")  # still runs: the signal is held
+
+    def wait() -> None:
+        with interruptions.active():
+            os.kill(os.getpid(), signal.SIGHUP)  # outside deferred: raised at once
+            time.sleep(5)  # interrupted long before this ends
+
+    with pytest.raises(_launch._Interrupted) as raised:
+        start_a_worker()
+    assert recorded == ["worker"] and raised.value.signum == signal.SIGTERM
+    with pytest.raises(_launch._Interrupted) as raised:
+        wait()
+    assert raised.value.signum == signal.SIGHUP
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
 def test_a_stop_signal_to_the_launcher_stops_the_workers(tmp_path: Path, sig: str) -> None:
     """kill, a closed terminal or ssh session (SIGHUP), Ctrl-C."""

@@ -405,6 +405,23 @@ class _CountingSim(SimBackend):
 BOOL_MESSAGE = r"cannot SUM bool replica values: got bool\[2\] for ReduceOp\.{op}"
 
 
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_non_numeric_dtypes_are_refused_by_core(op: str) -> None:
+    """Not numbers to TF's add_n: refused before any backend sums (bfloat16 and float8,
+    ml_dtypes' floats, are summed: see the sim's ml_dtypes tests)."""
+    backend = _CountingSim()
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    for values, name in (
+        (per_replica(np.array(["a", "b"]), np.array(["c", "d"])), "<U1"),
+        (per_replica(*[np.array(["2026-01-01"], "datetime64[D]")] * 2), "datetime64\\[D\\]"),
+    ):
+        with pytest.raises(TypeError, match=f"cannot SUM replica values of dtype {name}: got"):
+            strategy.reduce(op, values, axis=None)
+        with pytest.raises(TypeError, match="SUM and MEAN take integer, floating"):
+            strategy.run(lambda v: pd.get_replica_context().all_reduce(op, v), args=(values,))
+    assert backend.sums == 0
+
+
 class TestBoolIsNotSummable:
     """TF's add_n refuses bool, and MEAN sums first: core refuses before any backend sums."""
 

@@ -26,10 +26,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from polydist._arrays import describe
 from polydist_jax._devices import jax_device
 from polydist_jax._lazy import AXIS, find_lazy, is_tracer
 from polydist_jax._typed import psum
@@ -64,22 +62,7 @@ def on_device(value: Any, device: jax.Device) -> Any:
     return jax.device_put(value, device)
 
 
-def check_summable(values: Sequence[Any]) -> None:
-    """Refuses what the sim's sum refuses, with its message: ml_dtypes' integers
-    (int4, uint4, int2, ...). Its floats (bfloat16, float8_*) are summed, as
-    ``psum`` and TF's ``add_n`` do. Bool never gets here: core refuses it first
-    (``polydist._arrays.check_summable``)."""
-    dtype = np.dtype(values[0].dtype)
-    if dtype.kind not in "iufc" and not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"cannot SUM replica values of dtype {dtype} ({describe(values[0])}): the sim "
-            "sums NumPy's integer, float and complex dtypes and ml_dtypes' floats "
-            "(bfloat16, float8_*). Cast to one of them first, e.g. x.astype(jnp.int8)."
-        )
-
-
 def reduce_to(values: Sequence[Any], destination: str) -> Any:
-    check_summable(values)
     lazy = find_lazy(values)
     if lazy is not None:
         return psum(lazy.local, AXIS)

@@ -81,7 +81,6 @@ from polydist._devices import DeviceSpec
 from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS, MultiProcessMirroredStrategy
 from polydist.cluster_resolver import ClusterResolver
 from polydist_jax._backend import JaxBackend
-from polydist_jax._collectives import check_summable
 from polydist_jax._eager_grad import DifferentiableChannel
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
 from polydist_jax._spmd import CompiledRunner, _Mesh
@@ -698,7 +697,6 @@ class JaxProcessBackend(JaxBackend):
 
     # -- collectives -----------------------------------------------------------------------
     def reduce_to(self, values: Sequence[Any], destination: str) -> Any:
-        check_summable(values)  # the single-process backend's rule (core refuses bool)
         if any(is_tracer(v) for v in values):
             return self._traced_sum(values)
         target = self._jax_device(destination)

@@ -51,7 +51,6 @@ from polydist._replica_context import ReplicaContext
 from polydist._values import DistributedValues, value_container
 from polydist._variables import DistributedVariable, Variable, storage_arrays, swap_storage
 from polydist_jax import _functional, _input
-from polydist_jax._collectives import check_summable
 from polydist_jax._devices import jax_device
 from polydist_jax._functional import TracedVariables, pick_local
 from polydist_jax._lazy import (
@@ -412,7 +411,6 @@ class SpmdChannel:
         # jnp.asarray: lax.psum of a NumPy constant would be folded to a NumPy result.
         arrays = [jnp.asarray(v) for v in values]
         for a in arrays:
-            check_summable([a])
             _record("all_reduce", reduce_op.value, a, self._devices)
         # One psum of the whole nest: XLA combines it into one all-reduce.
         return list(psum(arrays, replica_axis()))

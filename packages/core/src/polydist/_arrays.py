@@ -107,17 +107,34 @@ def check_summable(reduce_op: Any, values: Sequence[Any]) -> None:
 
     MEAN is a SUM divided by the count, so it is refused too. Core calls this
     before it hands values to a backend's collectives, so every backend refuses
-    alike (torch would OR the flags, JAX's ``psum`` would count them).
+    alike (torch would OR the flags, JAX's ``psum`` would count them). So are
+    dtypes that are not numbers to ``add_n``: NumPy's non-numeric kinds and
+    ml_dtypes' sub-byte integers and complex32 (its floats, bfloat16 and
+    float8_*, are summed).
     """
     for value in values:
         dtype = getattr(value, "dtype", None)
-        if dtype is not None and dtype_name(dtype) == "bool":
-            op = getattr(reduce_op, "value", reduce_op)
+        if dtype is None:
+            continue
+        name = dtype_name(dtype)
+        op = getattr(reduce_op, "value", reduce_op)
+        if name == "bool":
             raise TypeError(
                 f"cannot SUM bool replica values: got {describe(value)} for ReduceOp.{op} "
                 "(TF's add_n does not support bool, and MEAN sums first). Cast to an integer "
                 "dtype first (x.astype('int32'), or x.to(torch.int32) on torch): its SUM "
                 "counts the True values and its MEAN is float64."
+            )
+        kind = getattr(dtype, "kind", None)  # NumPy's and JAX's dtypes (torch's have none)
+        if (
+            isinstance(kind, str)
+            and kind not in "iufc"
+            and not name.startswith(("bfloat", "float"))
+        ):
+            raise TypeError(
+                f"cannot SUM replica values of dtype {name}: got {describe(value)} for "
+                f"ReduceOp.{op}; SUM and MEAN take integer, floating (bfloat16 and float8_* "
+                "included) and complex arrays. Cast first, e.g. x.astype('int8')."
             )
 
 

@@ -5,23 +5,24 @@ processes call the same collective: on gloo a disagreement hangs until the
 timeout, crashes the process (``gloo::EnforceNotMet`` aborts it when the
 sizes differ) or silently returns wrong values (a float32 tensor summed with
 an int32 one of the same size). So before each cross-process collective,
-`CollectiveChecker.check` publishes this worker's *signature* of it (op,
+`CollectiveChecker.publish` writes this worker's *signature* of it (op,
 reduce op, dtype, shape) under ``cc/<n>/<worker>`` in the engine's key-value
 store (torch's ``TCPStore``, JAX's coordination service: the store the
-heartbeats use), then waits for every other worker's signature of collective
-``n``. Different signatures raise `CollectiveMismatchError` on every worker,
-before any of them issues the collective (each sees all signatures), so
-nothing hangs and nothing is corrupted; the workers then swap the user's
-call sites for the message (found only on a mismatch: finding the line costs
-more than the check). A worker that never publishes is a missing peer: the
-wait ends when its heartbeat stops or after the collective timeout, and the
-engine names it (``UnavailableError`` / ``DeadlineExceededError``).
+heartbeats use); `CollectiveChecker.confirm` then waits for every other
+worker's signature of collective ``n``. Different signatures raise
+`CollectiveMismatchError` on every worker, before any of them issues the
+collective (each sees all signatures), so nothing hangs and nothing is
+corrupted; the workers then swap the user's call sites for the message
+(found only on a mismatch: finding the line costs more than the check). A
+worker that never publishes is a missing peer: the wait ends when its
+heartbeat stops or after the collective timeout, and the engine names it
+(``UnavailableError`` / ``DeadlineExceededError``).
 
 Cost: one store write (on a thread of its own where writes wait for a
 reply) and one blocking store read per collective, a round trip to worker
-0's store (see docs/multi-host.md). `CollectiveChecker.publish` and
-`CollectiveChecker.confirm` split it, so that the caller's own work before
-the collective (torch copies the input) overlaps the round trip.
+0's store (see docs/multi-host.md). `CollectiveChecker.confirm` does the
+waiting, so that the caller's own work between the two (torch copies the
+input) overlaps the round trip.
 ``$POLYDIST_CHECK_COLLECTIVES=0`` (a polydist extension) turns the check
 off; every worker publishes its setting when it joins, and the check runs
 only when all workers have it on.
@@ -219,23 +220,6 @@ class CollectiveChecker:
         """Whether collectives are checked; ``None`` until the workers' settings are known."""
         return self._enabled
 
-    def check(
-        self,
-        op: str,
-        dtype: Any = None,
-        shape: Sequence[int] = (),
-        axis: int | None = None,
-        payload: str = "",
-    ) -> list[str] | None:
-        """Called right before this worker issues a cross-process collective ``op`` of an
-        array of ``dtype`` and ``shape`` (``axis``: an all_gather's; ``dtype=None``: ``op``
-        alone): raises `CollectiveMismatchError` when another worker is at a different
-        one, `PeerMissing` when one does not get there (see the module doc).
-
-        ``payload`` (one line, not compared) travels with the signature: the result is
-        every worker's payload in rank order, or ``None`` when checks are off."""
-        return self.confirm(self.publish(op, dtype, shape, axis, payload))
-
     def publish(
         self,
         op: str,
@@ -244,9 +228,12 @@ class CollectiveChecker:
         axis: int | None = None,
         payload: str = "",
     ) -> Pending | None:
-        """`check`'s first half: publishes this worker's signature and returns at once, so
-        that the caller's own work (copying the input) overlaps the store's round trip.
-        `confirm` must follow, in the same call stack, before the collective is issued."""
+        """Called right before this worker issues a cross-process collective ``op`` of an
+        array of ``dtype`` and ``shape`` (``axis``: an all_gather's; ``dtype=None``: ``op``
+        alone): publishes this worker's signature and returns at once (``None``: checks
+        are off), so that the caller's own work (copying the input) overlaps the store's
+        round trip. `confirm` must follow, in the same call stack, before the collective
+        is issued. ``payload`` (one line, not compared) travels with the signature."""
         if self._enabled is None:
             modes = self._wait([f"cc/mode/{r}" for r in self._others], "their first collective")
             self._enabled = all(m == "1" for m in modes)  # the same answer on every worker
@@ -262,8 +249,10 @@ class CollectiveChecker:
         return Pending(self.seq, mine, payload, self._publisher.submit(self._store.set, key, value))
 
     def confirm(self, pending: Pending | None) -> list[str] | None:
-        """`check`'s second half: waits for the other workers' signatures of ``pending``'s
-        collective and compares them (``None``: checks are off)."""
+        """Waits for the other workers' signatures of ``pending``'s collective: raises
+        `CollectiveMismatchError` when another worker is at a different one, `PeerMissing`
+        when one does not get there (see the module doc). Returns every worker's payload
+        in rank order, or ``None`` when checks are off."""
         if pending is None:
             return None
         n = pending.n

@@ -199,17 +199,8 @@ class _Interruptions:
         self._deferring = False
         self._pending: int | None = None
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {s: signal.signal(s, self._handler) for s in _STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+    def active(self) -> contextlib.AbstractContextManager[None]:
+        return _stop_signals_handled_by(self._handler)
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
@@ -378,7 +369,7 @@ def launch(
         finally:
             # Every worker's group is signalled, whatever happened (also on success:
             # a worker's own children must not outlive the launch).
-            with _ignoring_signals():
+            with _stop_signals_handled_by(signal.SIG_IGN):  # while stopping the workers
                 stopped = _stop_all(procs, grace) if procs else []
     output.drain(_DRAIN_SECONDS)
     result.worker_codes = [p.returncode if i not in stopped else None for i, p in enumerate(procs)]
@@ -390,12 +381,13 @@ def launch(
 
 
 @contextlib.contextmanager
-def _ignoring_signals() -> Iterator[None]:
-    """Ignores `_STOP_SIGNALS` while the workers are being stopped (main thread only)."""
+def _stop_signals_handled_by(handler: Any) -> Iterator[None]:
+    """`_STOP_SIGNALS` go to ``handler`` (a function, or ``signal.SIG_IGN``) inside; main
+    thread only (elsewhere Python cannot set handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS}
+    previous = {s: signal.signal(s, handler) for s in _STOP_SIGNALS}
     try:
         yield
     finally:
