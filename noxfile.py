@@ -73,8 +73,8 @@ def typecheck(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """pytest for one package, in its own virtualenv (conformance: its own tests,
     including the mutation check that every broken sim variant is caught)."""
-    # ml_dtypes (optional for the sim): these tests sum and compare bfloat16 and float8.
-    extra = ["ml_dtypes>=0.5"] if package in ("sim", "conformance") else []
+    # ml_dtypes (optional): these tests sum, compare and checkpoint bfloat16 and float8.
+    extra = ["ml_dtypes>=0.5"]
     session.install(*TEST_DEPS, *extra, CORE, SIM, CONFORMANCE)
     where = "conformance/tests" if package == "conformance" else f"packages/{package}/tests"
     session.run("pytest", where, "-q", *session.posargs)
@@ -83,7 +83,7 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session(python=PY)
 def conformance(session: nox.Session) -> None:
     """The conformance suite, run the way a backend author runs it, on the sim."""
-    session.install(CORE, SIM, CONFORMANCE)
+    session.install("ml_dtypes>=0.5", CORE, SIM, CONFORMANCE)  # runs the bfloat16 cases
     session.run("pytest", "--pyargs", "polydist_conformance", "--polydist-backend=sim", "-q")
 
 
@@ -128,7 +128,18 @@ def jax(session: nox.Session) -> None:
 @nox.session(python=PY)
 def torch(session: nox.Session) -> None:
     """The torch backend on 4 virtual CPU replicas: mypy, its tests, the conformance suite."""
-    session.install("mypy>=1.11", *TEST_DEPS, TORCH_PIN, "numpy", CORE, SIM, CONFORMANCE, TORCH)
+    # ml_dtypes (optional): bfloat16/float8 tensors as NumPy arrays, and the bfloat16 cases.
+    session.install(
+        "mypy>=1.11",
+        *TEST_DEPS,
+        TORCH_PIN,
+        "numpy",
+        "ml_dtypes>=0.5",
+        CORE,
+        SIM,
+        CONFORMANCE,
+        TORCH,
+    )
     session.run("mypy", "packages/backend-torch/src/polydist_torch")
     session.run("pytest", "packages/backend-torch/tests", "-q", *session.posargs)
     session.run(
@@ -182,6 +193,7 @@ POLYDIST_PURE = [
     "greenlet>=3.0",
     "tqdm>=4.66",
     "array-api-compat>=1.9",
+    "ml_dtypes>=0.5",  # optional; a small wheel: the bfloat16 tests and conformance cases
     *TEST_DEPS,
 ]
 # The 4 XLA devices stand in for TPU cores in TPUStrategy: the conformance oracle's local

@@ -88,6 +88,25 @@ def _narrow_values(dtype: str, context: pd.experimental.ValueContext) -> np.ndar
     return wide.astype(dtype)
 
 
+#: A nest all-reduced in one call (engines may pack it): (dtype, shape) of each array.
+NEST = (
+    ("int32", (2, 3)),
+    ("float32", (5,)),
+    ("int16", (4,)),
+    ("float32", ()),
+    ("float16", (3, 1)),
+    ("int32", (7,)),
+)
+
+
+def _nest_values(context: pd.experimental.ValueContext) -> list[np.ndarray]:
+    r = context.replica_id_in_sync_group
+    return [
+        ((np.arange(int(np.prod(shape))) % 7) * (r + 1) + i).astype(dtype).reshape(shape)
+        for i, (dtype, shape) in enumerate(NEST)
+    ]
+
+
 def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     """Per-replica results (lists) and cross-replica results (one-element lists)."""
     out: dict[str, list[np.ndarray]] = {}
@@ -118,6 +137,17 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     out["all_gather"] = local_components(
         strategy, strategy.run(lambda v: _ctx().all_gather(v, axis=0), args=(uneven,))
     )
+    nest = strategy.experimental_distribute_values_from_function(_nest_values)
+    sums = strategy.run(lambda v: _ctx().all_reduce(pd.ReduceOp.SUM, v), args=(nest,))
+    for i, summed in enumerate(sums):
+        out[f"all_reduce_nest_{i}"] = local_components(strategy, summed)
+    # batch_reduce_to onto each value's own devices (engines may pack), and one more pair.
+    pairs = [(v, v) for v in nest] + [(ints, ints)]
+    for i, mirrored in enumerate(strategy.extended.batch_reduce_to(pd.ReduceOp.SUM, pairs)):
+        out[f"batch_reduce_{i}"] = local_components(strategy, mirrored)
+    floats = [(nest[1], nest[1]), (nest[3], nest[3])]  # exact means: integer sums / 4
+    for i, mirrored in enumerate(strategy.extended.batch_reduce_to(pd.ReduceOp.MEAN, floats)):
+        out[f"batch_reduce_mean_{i}"] = local_components(strategy, mirrored)
     for dtype in NARROW_DTYPES:  # gloo refuses int16: the backend must widen it
         narrow = strategy.experimental_distribute_values_from_function(
             functools.partial(_narrow_values, dtype)

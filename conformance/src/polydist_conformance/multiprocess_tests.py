@@ -332,6 +332,10 @@ class MultiWorkerTests:
             "all_gather",
             "variable_int16",
             *(f"all_reduce_{dtype}" for dtype in multiprocess.NARROW_DTYPES),
+            *(f"all_reduce_nest_{i}" for i in range(len(multiprocess.NEST))),
+            *(f"batch_reduce_{i}" for i in range(len(multiprocess.NEST) + 1)),
+            "batch_reduce_mean_0",
+            "batch_reduce_mean_1",
         ],
     )
     def test_per_replica_results_equal_the_sim_exactly(

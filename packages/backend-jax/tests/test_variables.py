@@ -592,6 +592,33 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
     assert w.numpy().tolist() == (saved_w + 1).tolist()
 
 
+def test_checkpoint_bfloat16_bit_for_bit(tmp_path: Path) -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    # NaNs (quiet, negative with a payload, signalling), +-inf, -0.0, a subnormal, 1.5.
+    special = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x3FC0], np.uint16)
+    backend = JaxBackend()
+    strategy = pd.MirroredStrategy(N, backend=backend)
+    with strategy.scope():
+        w = pd.Variable(jnp.asarray(special.view(bf16)), name="w")
+    assert w.dtype == jnp.bfloat16
+    path = pd.checkpoint.save(tmp_path, {"w": w})
+    assert path is not None
+    saved = pd.checkpoint.read_arrays(path)["w"]
+    assert saved.dtype == bf16 and saved.view(np.uint16).tolist() == special.tolist()
+
+    for other in (
+        pd.MirroredStrategy(4, backend=backend),
+        pd.MirroredStrategy(2, backend=SimBackend("sequential")),
+    ):
+        with other.scope():
+            w2: Any = pd.Variable(np.zeros(8, bf16), name="w")
+        pd.checkpoint.restore(tmp_path, {"w": w2})
+        got = [np.asarray(c) for c in copies(w2)]
+        assert [a.dtype for a in got] == [bf16] * len(got)
+        assert [a.view(np.uint16).tolist() for a in got] == [special.tolist()] * len(got)
+
+
 # -- what a compiled run refuses, and what it leaves behind ----------------------------------
 
 

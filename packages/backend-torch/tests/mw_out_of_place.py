@@ -139,12 +139,127 @@ def main(out: Path) -> None:
     saved["two_inputs_after"] = np.stack(
         [v.numpy() for v in two.experimental_local_results(values)]
     )
+    packed(rank, one, two, saved)
     np.savez(out / f"worker{rank}.npz", **saved)
     mw.shutdown()
+
+
+#: A nest's arrays (case, shape), all-reduced in one call: packed per dtype (the int16
+#: array crosses gloo widened), shapes that are no multiple of 2 or 3, a scalar.
+NEST = (
+    ("ints", (7, 3)),
+    ("small", ()),
+    ("int64", (5,)),
+    ("ints", (1000,)),
+    ("float16", (2, 2)),
+    ("int16", (6,)),
+    ("complex64", (3,)),
+    ("ints", (0,)),
+)
+
+
+def nest_inputs(worker: int, replica: int = 0) -> list[np.ndarray]:
+    """`NEST`'s arrays on ``worker``'s replica ``replica``."""
+    arrays = []
+    for i, (case, shape) in enumerate(NEST):
+        size = int(np.prod(shape))
+        if case == "int16":
+            value = (inputs("ints", worker, replica)[:size] % 100).astype(np.int16)
+        else:
+            value = inputs(case, worker, replica)[i : i + size]
+        arrays.append(value.reshape(shape))
+    return arrays
+
+
+def packed(rank: int, one: Any, two: Any, saved: dict[str, Any]) -> None:
+    """A nest all-reduced in one call, packed per dtype: one pack (the default), packs of
+    at most 64 bytes, and 2 replicas per worker; with autograd through the packed call."""
+    import torch
+
+    import polydist as pd
+    import polydist_torch._multi_worker as mw
+
+    def sums(nest: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce(pd.ReduceOp.SUM, nest)
+
+    nest = [torch.from_numpy(a) for a in nest_inputs(rank)]
+    small = mw.MultiWorkerMirroredStrategy(
+        local_devices=1,
+        communication_options=pd.experimental.CommunicationOptions(bytes_per_pack=64),
+    )
+    group = one.extended.backend._group
+    for name, strategy in (("packed", one), ("packed_small", small)):
+        before = group.collectives
+        results = strategy.run(sums, args=(nest,))
+        saved[f"{name}_collectives"] = np.asarray(group.collectives - before)
+        for i, result in enumerate(results):
+            saved[f"{name}_{i}"] = result.numpy().copy()
+        saved[f"{name}_own_tensors"] = np.asarray([r._base is None for r in results])
+        results[0].add_(1)  # in place on one result: the others keep their values
+        saved[f"{name}_after_add"] = results[3].numpy().copy()
+    saved["packed_inputs_after"] = np.concatenate([t.numpy().ravel().real for t in nest])
+    # batch_reduce_to packs too: onto each value's devices, and onto one device.
+    values = [one.experimental_distribute_values_from_function(lambda c, t=t: t) for t in nest]
+    before = group.collectives
+    batched = one.extended.batch_reduce_to(
+        pd.ReduceOp.SUM, [(v, v) for v in values] + [(v, "/cpu:0") for v in values]
+    )
+    saved["batch_collectives"] = np.asarray(group.collectives - before)
+    for i, result in enumerate(batched):
+        saved[f"batch_{i}"] = one.experimental_local_results(result)[0].numpy().copy()
+    per_replica = two.experimental_distribute_values_from_function(
+        lambda c: [torch.from_numpy(a) for a in nest_inputs(rank, c.replica_id_in_sync_group % 2)]
+    )
+    results = two.experimental_local_results(two.run(sums, args=(per_replica,)))
+    for i in range(len(NEST)):
+        saved[f"packed_two_{i}"] = np.stack([r[i].numpy() for r in results])
+
+    def grads(xs: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        ys = ctx.all_reduce(pd.ReduceOp.SUM, [x * 2 for x in xs])
+        ys[0].mul_(1.0)  # in place on a result autograd tracks: allowed (not a view)
+        (ys[0].sum() * (rank + 3) + ys[1].sum()).backward()
+        return [x.grad for x in xs]
+
+    leaves = [torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)]
+    saved["packed_grads"] = np.concatenate([g.numpy() for g in one.run(grads, args=(leaves,))])
+
+
+def pack_mismatch(out: Path) -> None:
+    """Worker 0 all-reduces a nest of shapes [2], [4, 1]; worker 1 of [4], [2, 1]: as many
+    elements, packed in another layout. Each writes the error it gets to
+    ``OUT/error<rank>.json`` and exits with code 17."""
+    import torch
+
+    import polydist as pd
+    import polydist_torch._multi_worker as mw
+
+    strategy = mw.MultiWorkerMirroredStrategy(local_devices=1)
+    rank = int(os.environ["RANK"])
+    first, second = (2, 4) if rank == 0 else (4, 2)
+    nest = [torch.ones(first), torch.ones(second, 1)]
+
+    def sums(v: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce(pd.ReduceOp.SUM, v)
+
+    try:
+        strategy.run(sums, args=(nest,))
+    except Exception as e:
+        error = {"type": type(e).__name__, "message": str(e)}
+        (out / f"error{rank}.json").write_text(json.dumps(error))
+        sys.stdout.flush()
+        os._exit(17)
 
 
 if __name__ == "__main__":
     if sys.argv[2:] == ["stall"]:
         stall(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["pack_mismatch"]:
+        pack_mismatch(Path(sys.argv[1]))
     else:
         main(Path(sys.argv[1]))

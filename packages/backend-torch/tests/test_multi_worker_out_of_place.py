@@ -144,3 +144,73 @@ def test_a_stalled_peer_is_named_after_the_timeout(tmp_path: Path) -> None:
     assert "worker(s) 1 (/job:worker/replica:0/task:1" in error["message"]
     assert "alive but did not reach it" in error["message"]
     assert error["after"] < 3 + 10
+
+
+def _nest_sum(workers: int, replicas: int = 1) -> list[np.ndarray]:
+    """Each `program.NEST` array's sum in worker order (exact: integer-valued data)."""
+    terms = [program.nest_inputs(w, r) for w in range(workers) for r in range(replicas)]
+    totals = [t.copy() for t in terms[0]]
+    for term in terms[1:]:
+        totals = [(a + b).astype(a.dtype) for a, b in zip(totals, term, strict=True)]
+    return totals
+
+
+@pytest.mark.parametrize("name", ["packed", "packed_small"])
+def test_a_nest_all_reduced_in_packs_gives_each_arrays_sum(
+    name: str, run: tuple[int, list[dict[str, np.ndarray]]]
+) -> None:
+    workers, results = run
+    want = _nest_sum(workers)
+    for w, r in enumerate(results):
+        for i, total in enumerate(want):
+            got = r[f"{name}_{i}"]
+            assert got.dtype == total.dtype and got.shape == total.shape, (i, got.dtype, got.shape)
+            assert np.array_equal(got, total), f"worker {w}: array {i} of the nest"
+        assert r[f"{name}_own_tensors"].all(), "a packed result is a view of the pack"
+        # One collective per dtype (5); packs of <= 64 bytes split float32's 4 arrays in 3.
+        assert int(r[f"{name}_collectives"]) == (5 if name == "packed" else 7)
+        assert np.array_equal(r[f"{name}_after_add"], want[3]), "results share elements"
+        inputs = np.concatenate([a.ravel().real for a in program.nest_inputs(w)])
+        assert np.array_equal(r["packed_inputs_after"], inputs), "an input changed"
+
+
+def test_a_nest_with_two_replicas_per_worker(run: tuple[int, list[dict[str, np.ndarray]]]) -> None:
+    workers, results = run
+    want = _nest_sum(workers, replicas=2)
+    for r in results:
+        for i, total in enumerate(want):
+            assert np.array_equal(r[f"packed_two_{i}"], np.stack([total, total])), i
+
+
+def test_gradients_flow_through_a_packed_all_reduce(
+    run: tuple[int, list[dict[str, np.ndarray]]],
+) -> None:
+    # loss_w = (w + 3) * sum(y0) + sum(y1), y = all_reduce(2 x): the gradient of x0 is
+    # 2 * sum over workers of (w + 3); of x1, 2 * workers.
+    workers, results = run
+    scale = 2.0 * sum(w + 3 for w in range(workers))
+    want = np.asarray([scale, scale, 2.0 * workers, 2.0 * workers, 2.0 * workers], np.float32)
+    for r in results:
+        assert np.array_equal(r["packed_grads"], want)
+
+
+def test_workers_packing_other_shapes_raise_collective_mismatch(tmp_path: Path) -> None:
+    result, log = _launch_workers(2, tmp_path, "pack_mismatch")
+    assert result.exit_code != 0, log
+    for w in range(2):
+        raised = json.loads((tmp_path / f"error{w}.json").read_text())
+        assert raised["type"] == "CollectiveMismatchError", raised
+        message = raised["message"]
+        assert "all_reduce(SUM) of 2 float32 arrays packed: [2] [4,1] at" in message, message
+        assert "all_reduce(SUM) of 2 float32 arrays packed: [4] [2,1] at" in message, message
+
+
+def test_batch_reduce_to_packs_per_destination(
+    run: tuple[int, list[dict[str, np.ndarray]]],
+) -> None:
+    workers, results = run
+    want = _nest_sum(workers)
+    for r in results:
+        assert int(r["batch_collectives"]) == 2 * 5  # per destination, one per dtype
+        for i in range(2 * len(want)):
+            assert np.array_equal(r[f"batch_{i}"], want[i % len(want)]), i

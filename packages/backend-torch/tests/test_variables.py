@@ -852,9 +852,54 @@ def test_checkpoint_round_trip(tmp_path: Path, mode: str) -> None:
             assert params[1][0].tolist() == made["dense/kernel"].numpy().tolist()
 
 
+# bfloat16 bits: NaNs (quiet, negative with a payload, signalling), +-inf, -0.0, the
+# smallest subnormal, 1.5.
+BF16_SPECIAL = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x3FC0], np.uint16)
+
+
+def test_checkpoint_bfloat16_bit_for_bit(tmp_path: Path) -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    tensor = torch.from_numpy(BF16_SPECIAL.view(np.int16)).view(torch.bfloat16)
+    s = strategy_for("torch")
+    with s.scope():
+        _w = pd.Variable(tensor, name="w")  # the strategy saves the live variables
+    assert pd.checkpoint.save(tmp_path, s) is not None
+    saved = read_arrays(tmp_path)["w"]
+    assert saved.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert saved.view(np.uint16).tolist() == BF16_SPECIAL.tolist()
+
+    # Into 2 torch replicas (bfloat16 tensors) and 4 sim ones (ml_dtypes arrays).
+    for target_mode, n in (("torch", 2), ("sim", 4)):
+        other = strategy_for(target_mode, n)
+        with other.scope():
+            w2 = pd.Variable(np.zeros(8, ml_dtypes.bfloat16), name="w")
+        pd.checkpoint.restore(tmp_path, other)
+        for c in w2.values:
+            stored = c._read_storage()
+            if target_mode == "torch":
+                assert stored.dtype == torch.bfloat16
+                stored = stored.view(torch.int16).numpy().view(np.uint16)
+            assert stored.view(np.uint16).tolist() == BF16_SPECIAL.tolist(), target_mode
+
+
+def test_checkpoint_bfloat16_without_ml_dtypes_says_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from polydist_torch import _low_precision
+
+    s = strategy_for("torch")
+    with s.scope():
+        w = pd.Variable(torch.tensor([1.5, 2.0], dtype=torch.bfloat16), name="w")
+    # Without ml_dtypes, to_numpy widens bfloat16 to float32: that would not restore.
+    monkeypatch.setattr(_low_precision, "_ml_dtypes", lambda: None)
+    with pytest.raises(TypeError, match=r"'w:0' has dtype bfloat16.*pip install ml_dtypes"):
+        pd.checkpoint.save(tmp_path, {"w": w})
+    assert not tmp_path.joinpath("checkpoint").exists()
+
+
 @pytest.mark.parametrize("sync", [SYNC.ON_WRITE, SYNC.ON_READ])
 def test_every_copy_keeps_a_dtype_numpy_lacks(sync: pd.VariableSynchronization) -> None:
-    # Copies 1.. are made through NumPy, which has no bfloat16.
+    # Copies 1.. are made through NumPy, which has no bfloat16 of its own (ml_dtypes adds it).
     strategy = pd.MirroredStrategy(N, backend=TorchBackend("sequential"))
     with strategy.scope():
         v = pd.Variable(

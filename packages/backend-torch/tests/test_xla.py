@@ -212,6 +212,23 @@ def test_registered_as_the_torch_xla_backend(backend: XlaSpmdBackend) -> None:
     assert "merge_call" in XLA_UNSUPPORTED
 
 
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn"])
+def test_low_precision_floats_round_trip_bit_for_bit(backend: XlaSpmdBackend, name: str) -> None:
+    # As ml_dtypes' NumPy dtypes (what JAX and TF's .numpy() hand out), through an XLA device.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    dtype = np.dtype(getattr(ml_dtypes, name))
+    unsigned = np.uint16 if dtype.itemsize == 2 else np.uint8
+    bits = np.array(
+        [0x3F81, 0x8000, 0x7FC0, 0x0001] if dtype.itemsize == 2 else [0x39, 0x80, 0x7F, 0x01],
+        unsigned,
+    )
+    placed = backend.place(bits.view(dtype), "/device:XLA:1")
+    assert placed.device == backend.device and placed.dtype == getattr(torch, name)
+    array = backend.to_numpy(placed)
+    assert array.dtype == dtype and array.view(unsigned).tolist() == bits.tolist()
+    assert backend.to_numpy(placed.cpu()).view(unsigned).tolist() == bits.tolist()
+
+
 def test_one_replica_runs_without_spmd(backend: XlaSpmdBackend) -> None:
     # OneDeviceStrategy and MirroredStrategy(1): fn runs as ordinary torch-xla code; its
     # collectives are the identity and merge_call calls merge_fn.

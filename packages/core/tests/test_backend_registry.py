@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -72,3 +74,62 @@ def test_is_symbolic_reads_the_optional_method() -> None:
             return isinstance(value, str)
 
     assert is_symbolic(Tracing(), "a tracer") and not is_symbolic(Tracing(), np.zeros(3))
+
+
+# -- batch_all_reduce and pack_by_size ---------------------------------------------------
+
+
+def test_pack_by_size_follows_tfs_group_by_size() -> None:
+    from polydist.backend import pack_by_size
+
+    assert pack_by_size([4, 8, 16], 0) == [[0, 1, 2]]  # 0: one pack
+    assert pack_by_size([], 0) == []
+    # A new pack starts once the last one holds more than bytes_per_pack.
+    assert pack_by_size([4, 4, 4, 4, 100, 1], 8) == [[0, 1, 2], [3, 4], [5]]
+    assert pack_by_size([100, 100], 1) == [[0], [1]]
+    with pytest.raises(ValueError, match="bytes_per_pack must be >= 0, got -1"):
+        pack_by_size([1], -1)
+
+
+class _Summing:
+    """The two list collectives a `batch_all_reduce` caller needs, over NumPy arrays."""
+
+    name = "summing"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def all_reduce(self, values: Any, destinations: Any) -> list[Any]:
+        self.calls.append("all_reduce")
+        total = sum(values[1:], values[0])
+        return [total.copy() for _ in destinations]
+
+
+class _Batching(_Summing):
+    def __init__(self, results: int | None = None) -> None:
+        super().__init__()
+        self.results = results
+        self.packs: list[int] = []
+
+    def batch_all_reduce(self, columns: Any, destinations: Any, bytes_per_pack: int) -> Any:
+        self.packs.append(bytes_per_pack)
+        out = [self.all_reduce(c, destinations) for c in columns]
+        return out if self.results is None else out[: self.results]
+
+
+def test_batch_all_reduce_uses_the_backends_method_for_several_arrays() -> None:
+    from polydist.backend import batch_all_reduce
+
+    columns = [[np.ones(2), np.ones(2)], [np.arange(3.0), np.arange(3.0)]]
+    plain = _Summing()
+    sums = batch_all_reduce(plain, columns, ["/cpu:0"], 64)  # type: ignore[arg-type]
+    assert [s[0].tolist() for s in sums] == [[2.0, 2.0], [0.0, 2.0, 4.0]]
+    batching = _Batching()
+    batched = batch_all_reduce(batching, columns, ["/cpu:0", "/cpu:1"], 64)  # type: ignore[arg-type]
+    assert [len(s) for s in batched] == [2, 2] and batching.packs == [64]
+    assert batched[1][1].tolist() == [0.0, 2.0, 4.0]
+    batching = _Batching()
+    batch_all_reduce(batching, columns[:1], ["/cpu:0"], 64)  # type: ignore[arg-type]
+    assert batching.packs == [] and batching.calls == ["all_reduce"]  # one array: as is
+    with pytest.raises(RuntimeError, match="batch_all_reduce returned 1 results for 2 columns"):
+        batch_all_reduce(_Batching(results=1), columns, ["/cpu:0"], 0)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+try:
+    import ml_dtypes
+except ImportError:  # optional: its tests are skipped without it
+    ml_dtypes = None
 
 from polydist.checkpoint import (
     ArraySpec,
@@ -61,7 +67,19 @@ def assert_identical(got: np.ndarray, want: np.ndarray) -> None:
     assert got.dtype == want.dtype
     assert got.dtype.str == want.dtype.str
     assert got.shape == want.shape
-    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes()
+    assert _significant_bytes(got) == _significant_bytes(want)
+
+
+#: x87 long doubles: 80 significant bits in a 16-byte slot whose padding NumPy may
+#: leave uninitialised (e.g. when copying a 0-d array), so only 10 bytes per slot count.
+_X87 = np.finfo(np.longdouble).nmant == 63 and np.dtype(np.longdouble).itemsize == 16
+
+
+def _significant_bytes(a: np.ndarray) -> bytes:
+    flat = np.ascontiguousarray(a).reshape(-1)
+    if _X87 and a.dtype.type in (np.longdouble, np.clongdouble):
+        return flat.view(np.uint8).reshape(-1, 16)[:, :10].tobytes()
+    return flat.tobytes()
 
 
 def sample(dtype: Any, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -625,3 +643,207 @@ def test_crash_at_random_moments(tmp_path: Path) -> None:
     final = write_arrays(root, {"x": np.array(1)})
     assert latest_checkpoint(root) == final
     assert leftovers(root) == []
+
+
+# --------------------------------------------------------------------------- ml_dtypes
+
+needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+ML_FLOATS = [
+    n
+    for n in (
+        "bfloat16",
+        "float8_e3m4",
+        "float8_e4m3",
+        "float8_e4m3b11fnuz",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(ml_dtypes, n)
+]
+# The keys of a manifest entry in format version 1.
+V1_KEYS = {"name", "file", "shape", "dtype", "nbytes", "sha256"}
+
+
+def ml_dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def every_bit_pattern(name: str) -> np.ndarray:
+    """Every value of the dtype, NaN payloads, infinities and -0.0 included."""
+    dtype = ml_dtype(name)
+    return np.arange(2 ** (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}").view(dtype)
+
+
+@needs_ml_dtypes
+@pytest.mark.parametrize("name", ML_FLOATS)
+def test_ml_dtypes_round_trip_bit_for_bit(tmp_path: Path, name: str) -> None:
+    dtype = ml_dtype(name)
+    every = every_bit_pattern(name)
+    arrays = {
+        "every": every,
+        "strided": every[:48].reshape(4, 12)[:, ::3],  # not contiguous
+        "scalar": every[-1:].reshape(()),
+        "empty": every[:0].reshape(0, 3),
+    }
+    path = write_arrays(tmp_path, arrays)
+    doc = manifest_doc(path)
+    assert doc["format_version"] == 2  # older polydist refuses it instead of misreading it
+    bits = f"u{dtype.itemsize}"
+    assert [(a["dtype"], a["storage_dtype"]) for a in doc["arrays"]] == [
+        (name, np.dtype(bits).str)
+    ] * 4
+    # The data file is a plain .npy of the bits: readable without polydist or ml_dtypes.
+    assert np.load(data_file(path, "every")).tolist() == np.arange(every.size).tolist()
+    assert read_manifest(tmp_path).arrays["strided"] == ArraySpec((4, 4), dtype)
+    got = read_arrays(tmp_path)
+    for key, want in arrays.items():
+        assert_identical(got[key], want)
+
+
+@needs_ml_dtypes
+def test_mixed_checkpoint_keeps_numpy_entries_in_the_old_layout(tmp_path: Path) -> None:
+    bf16 = ml_dtype("bfloat16")
+    special = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001], np.uint16)
+    arrays = {
+        "f32": np.array([np.nan, -0.0, np.inf, 1.5], np.float32),
+        "bf16": special.view(bf16),  # NaNs (payload, negative, signalling), +-inf, -0.0
+        "count": np.int64(3),
+    }
+    path = write_arrays(tmp_path, arrays)
+    entries = {a["name"]: a for a in manifest_doc(path)["arrays"]}
+    assert set(entries["f32"]) == V1_KEYS and entries["f32"]["dtype"] == "<f4"
+    assert set(entries["count"]) == V1_KEYS
+    assert set(entries["bf16"]) == V1_KEYS | {"storage_dtype"}
+    got = read_arrays(path)
+    for key, want in arrays.items():
+        assert_identical(got[key], np.asarray(want))
+    assert got["bf16"].view(np.uint16).tolist() == special.tolist()
+
+
+def test_numpy_only_checkpoints_are_still_format_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_arrays(tmp_path, {"w": np.arange(3.0), "b": np.zeros(2, np.float32)})
+    doc = manifest_doc(path)
+    assert doc["format_version"] == 1
+    assert all(set(a) == V1_KEYS for a in doc["arrays"])
+    assert json.loads((tmp_path / "checkpoint").read_text())["format_version"] == 1
+    # A reader of format 1 only (polydist before ml_dtypes support) still reads it.
+    monkeypatch.setattr(_io, "FORMAT_VERSION", 1)
+    assert read_arrays(tmp_path)["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+@needs_ml_dtypes
+def test_format_1_reader_refuses_ml_dtypes_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_arrays(tmp_path, {"w": np.ones(2, ml_dtype("bfloat16"))})
+    monkeypatch.setattr(_io, "FORMAT_VERSION", 1)
+    with pytest.raises(CheckpointError, match=r"version 2 was written by a newer polydist"):
+        read_arrays(tmp_path)
+
+
+@needs_ml_dtypes
+def test_reading_ml_dtypes_without_it_says_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_arrays(tmp_path, {"w": np.ones(2, ml_dtype("bfloat16"))})
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes now fails
+    with pytest.raises(CheckpointError) as info:
+        read_arrays(tmp_path)
+    assert not isinstance(info.value, CheckpointCorruptError)
+    assert str(info.value) == (
+        f"{path / 'manifest.json'}: variable 'w' is stored as bfloat16, a dtype of the "
+        "ml_dtypes package, which is not installed: pip install ml_dtypes to read this checkpoint"
+    )
+    # NumPy's dtypes need no ml_dtypes, to write or to read.
+    write_arrays(tmp_path / "plain", {"x": np.ones(2)})
+    assert read_arrays(tmp_path / "plain")["x"].tolist() == [1.0, 1.0]
+
+
+@needs_ml_dtypes
+def test_ml_dtype_unknown_to_the_installed_ml_dtypes(tmp_path: Path) -> None:
+    path = write_arrays(tmp_path, {"w": np.ones(2, ml_dtype("float8_e4m3fn"))})
+    doc = manifest_doc(path)
+    doc["arrays"][0]["dtype"] = "float8_e9m9"
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"float8_e9m9.*pip install -U ml_dtypes"):
+        read_manifest(path)
+
+
+@needs_ml_dtypes
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d.update(format_version=1), "storage_dtype is not part of format version 1"),
+        (lambda d: d["arrays"][0].update(storage_dtype="<f2"), "unsupported dtype 'bfloat16'"),
+        (lambda d: d["arrays"][0].update(storage_dtype="|u1"), "cannot be stored as '|u1'"),
+        (lambda d: d["arrays"][0].update(dtype="<V2"), "unsupported dtype '<V2'"),
+        (lambda d: d["arrays"][0].update(dtype="int4"), "unsupported dtype 'int4'"),
+        (lambda d: d["arrays"][0].update(dtype="complex32"), "unsupported dtype 'complex32'"),
+        (lambda d: d["arrays"][0].pop("storage_dtype"), "unsupported dtype 'bfloat16'"),
+    ],
+)
+def test_invalid_ml_dtypes_manifest(tmp_path: Path, edit: Any, match: str) -> None:
+    path = write_arrays(tmp_path, {"w": np.ones(2, ml_dtype("bfloat16"))})
+    doc = manifest_doc(path)
+    edit(doc)
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointCorruptError, match=re.escape(match)):
+        read_manifest(path)
+
+
+@needs_ml_dtypes
+def test_damaged_ml_dtypes_file(tmp_path: Path) -> None:
+    path = write_arrays(tmp_path, {"w": np.ones((2, 3), ml_dtype("bfloat16"))})
+    np.save(data_file(path, "w"), np.ones((2, 3), np.float16))  # same size, other dtype
+    with pytest.raises(CheckpointCorruptError, match=r"manifest says shape \(2, 3\) dtype <u2"):
+        read_arrays(path)
+
+
+@needs_ml_dtypes
+@pytest.mark.parametrize(
+    "name",
+    [n for n in ("int4", "uint4", "int2") if hasattr(ml_dtypes, n)],
+)
+def test_sub_byte_ml_dtypes_integers_are_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(TypeError, match=rf"variable 'v': dtype {name} .* sub-byte integer"):
+        write_arrays(tmp_path, {"v": np.zeros(3, ml_dtype(name))})
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_ml_dtypes
+@pytest.mark.parametrize(
+    "name",
+    [n for n in ("float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn") if hasattr(ml_dtypes, n)],
+)
+def test_sub_byte_ml_dtypes_floats_round_trip_bit_for_bit(tmp_path: Path, name: str) -> None:
+    dtype = ml_dtype(name)
+    bits = int(ml_dtypes.finfo(dtype).bits)
+    every = np.arange(2**bits, dtype=np.uint8).view(dtype)  # each value, a byte each
+    write_arrays(tmp_path, {"v": every})
+    back = read_arrays(tmp_path)["v"]
+    assert back.dtype == dtype
+    assert np.array_equal(back.view(np.uint8), every.view(np.uint8))
+
+
+@needs_ml_dtypes
+@pytest.mark.skipif(not hasattr(ml_dtypes, "complex32"), reason="ml_dtypes without complex32")
+def test_other_ml_dtypes_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="dtype complex32 cannot be checkpointed; supported are"):
+        write_arrays(tmp_path, {"v": np.zeros(3, ml_dtype("complex32"))})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_numpy_dtypes_do_not_import_ml_dtypes(tmp_path: Path) -> None:
+    code = (
+        "import sys, numpy as np\n"
+        "from polydist.checkpoint import read_arrays, write_arrays\n"
+        "write_arrays(sys.argv[1], {'w': np.ones(3, np.float16), 'i': np.arange(2)})\n"
+        "assert read_arrays(sys.argv[1])['w'].tolist() == [1.0, 1.0, 1.0]\n"
+        "assert 'ml_dtypes' not in sys.modules, 'ml_dtypes was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120)

@@ -6,6 +6,9 @@ restoring SUM divides by N) in shared/reference/tf-distribute-and-peers.md.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +18,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+try:
+    import ml_dtypes
+except ImportError:  # optional: its tests are skipped without it
+    ml_dtypes = None
 
 import polydist as pd
 from polydist import checkpoint
@@ -259,6 +267,163 @@ class TestErrors:
         monkeypatch.setattr(strategy.extended, "_is_chief", False, raising=False)
         assert checkpoint.save(tmp_path, {"v": v}) is None
         assert not tmp_path.exists() or list(tmp_path.iterdir()) == []
+
+
+# -- old checkpoints, and ml_dtypes' floats -----------------------------------------------------
+
+
+def write_format_1(root: Path, step: int, arrays: dict[str, np.ndarray]) -> Path:
+    """A checkpoint laid out by hand as polydist wrote it before format version 2."""
+    ckpt = root / f"ckpt-{step}"
+    ckpt.mkdir(parents=True)
+    items = []
+    for i, (name, array) in enumerate(arrays.items()):
+        file = f"{i:06d}.npy"
+        np.save(ckpt / file, array)
+        sha = hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+        items.append(
+            {
+                "name": name,
+                "file": file,
+                "shape": list(array.shape),
+                "dtype": array.dtype.str,
+                "nbytes": array.nbytes,
+                "sha256": sha,
+            }
+        )
+    manifest = {
+        "format": "polydist.checkpoint",
+        "format_version": 1,
+        "step": step,
+        "created_unix": 1700000000.0,
+        "metadata": {"polydist_variables": {}},
+        "arrays": items,
+    }
+    (ckpt / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    pointer = {
+        "format": "polydist.checkpoint.pointer",
+        "format_version": 1,
+        "latest": ckpt.name,
+        "updated_unix": 1700000000.0,
+    }
+    (root / "checkpoint").write_text(json.dumps(pointer, indent=1) + "\n")
+    return ckpt
+
+
+def test_checkpoints_of_format_1_still_restore(tmp_path: Path) -> None:
+    kernel = np.arange(6, dtype=np.float32).reshape(3, 2)
+    write_format_1(
+        tmp_path,
+        5,
+        {
+            "dense/kernel": kernel,
+            "dense/bias": np.array([0.5, -0.5], np.float32),
+            "metrics/loss_sum": np.array(10.0, np.float32),
+            "metrics/accuracy": np.array(1.5, np.float32),
+            "metrics/first": np.array(5, np.int32),
+            "step": np.array(7, np.int32),
+        },
+    )
+    strategy = pd.MirroredStrategy(2)
+    model = make_model(strategy, fill=9.0)
+    manifest = checkpoint.restore(tmp_path, strategy)
+    assert (manifest.step, manifest.format_version) == (5, 1)
+    assert copies(model["kernel"]) == [kernel.tolist()] * 2
+    assert copies(model["bias"]) == [[0.5, -0.5]] * 2
+    assert copies(model["loss_sum"]) == [5.0, 5.0]  # SUM: 10 / 2 in each copy
+    assert copies(model["accuracy"]) == [1.5, 1.5]
+    assert copies(model["first"]) == [5, 5] and copies(model["step"]) == [7, 7]
+
+
+needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+# bfloat16 bits: NaNs (quiet, negative with a payload, signalling), +inf, -inf, -0.0,
+# the smallest subnormal, 1.5.
+BF16_SPECIAL = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x3FC0], np.uint16)
+
+
+def bits(v: Any) -> list[list[int]]:
+    """The bits of each copy of a bfloat16 or float8 variable."""
+    arrays = [np.asarray(c.numpy()) for c in v.values]
+    return [a.view(f"u{a.dtype.itemsize}").tolist() for a in arrays]
+
+
+@needs_ml_dtypes
+class TestMlDtypes:
+    def test_variables_round_trip_bit_for_bit(self, tmp_path: Path) -> None:
+        bf16, e4m3 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
+        every_e4m3 = np.arange(256, dtype=np.uint8)  # each float8 value, NaNs and -0.0 too
+        strategy = pd.MirroredStrategy(2)
+        with strategy.scope():
+            kept = [  # the strategy saves the variables that are still alive
+                pd.Variable(BF16_SPECIAL.view(bf16), name="w"),
+                pd.Variable(every_e4m3.view(e4m3), name="q"),
+                pd.Variable(
+                    BF16_SPECIAL.view(bf16),
+                    name="first",
+                    synchronization=VS.ON_READ,
+                    aggregation=VA.ONLY_FIRST_REPLICA,
+                ),
+            ]
+            total = pd.Variable(
+                np.zeros(2, bf16), name="total", synchronization=VS.ON_READ, aggregation=VA.SUM
+            )
+            kept.append(pd.Variable(np.array([np.nan, -0.0, 0.1], np.float32), name="kernel"))
+        strategy.run(lambda: total.assign(np.array([1.5, -2.25], bf16)))  # SUM: [3, -4.5]
+        assert checkpoint.save(tmp_path, strategy) is not None
+        held = {n: s.dtype.name for n, s in read_manifest(tmp_path).arrays.items()}
+        assert held == {
+            "w": "bfloat16",
+            "q": "float8_e4m3fn",
+            "first": "bfloat16",
+            "total": "bfloat16",
+            "kernel": "float32",
+        }
+
+        target = pd.MirroredStrategy(3)
+        with target.scope():
+            w2 = pd.Variable(np.ones(8, bf16), name="w")
+            q2 = pd.Variable(np.ones(256, e4m3), name="q")
+            first2 = pd.Variable(
+                np.ones(8, bf16),
+                name="first",
+                synchronization=VS.ON_READ,
+                aggregation=VA.ONLY_FIRST_REPLICA,
+            )
+            total2 = pd.Variable(
+                np.ones(2, bf16), name="total", synchronization=VS.ON_READ, aggregation=VA.SUM
+            )
+            kernel2 = pd.Variable(np.ones(3, np.float32), name="kernel")
+        checkpoint.restore(tmp_path, target)
+        assert bits(w2) == [BF16_SPECIAL.tolist()] * 3
+        assert bits(first2) == [BF16_SPECIAL.tolist()] * 3
+        assert bits(q2) == [every_e4m3.tolist()] * 3
+        assert [c.tolist() for c in map(np.asarray, copies(total2))] == [[1.0, -1.5]] * 3
+        assert np.asarray(total2.read_value()).tolist() == [3.0, -4.5]  # the saved sum
+        assert (
+            bits(kernel2)
+            == [np.array([np.nan, -0.0, 0.1], np.float32).view(np.uint32).tolist()] * 3
+        )
+
+    def test_restoring_into_another_dtype_is_refused(self, tmp_path: Path) -> None:
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        checkpoint.save(tmp_path / "bf16", {"w": pd.Variable(np.ones(2, bf16))})
+        checkpoint.save(tmp_path / "f32", {"w": pd.Variable(np.ones(2, np.float32))})
+        as_f32 = pd.Variable(np.zeros(2, np.float32), name="w")
+        as_bf16 = pd.Variable(np.zeros(2, bf16), name="w")
+        as_e4m3 = pd.Variable(np.zeros(2, ml_dtypes.float8_e4m3fn), name="w")
+        for root, var, want, have in [
+            ("bf16", as_f32, "float32", "bfloat16"),
+            ("f32", as_bf16, "bfloat16", "float32"),
+            ("bf16", as_e4m3, "float8_e4m3fn", "bfloat16"),
+        ]:
+            with pytest.raises(
+                CheckpointMismatchError,
+                match=re.escape(
+                    f"'w' (Variable 'w:0') is {want}[2] but the checkpoint holds {have}[2]"
+                ),
+            ):
+                checkpoint.restore(tmp_path / root, {"w": var})
+            assert np.asarray(var.numpy()).astype(np.float32).tolist() == [0.0, 0.0]
 
 
 # -- crash safety at the save() level ----------------------------------------------------------

@@ -414,3 +414,42 @@ def test_worker_0_raises_a_mismatch_only_after_the_others_have_read_it() -> None
     thread.join(10)
     assert raised_at and raised_at[0] >= seen_at
     assert store.data["cc/1/seen/0"] == store.data["cc/1/seen/1"] == "1"
+
+
+def test_packs_compare_the_shapes_they_hold() -> None:
+    store = MemoryStore()
+    a, b = _checker(store, 0), _checker(store, 1)
+    f32 = np.dtype(np.float32)
+
+    def packed(c: CollectiveChecker, parts: list[tuple[int, ...]]) -> Callable[[], None]:
+        def run() -> None:
+            with collective_intent("SUM"):
+                _check(c, "all_reduce", f32, (6,), parts=parts)
+
+        return run
+
+    assert _together(packed(a, [(2,), (4,)]), packed(b, [(2,), (4,)])) == [None, None]
+    # As many elements of one dtype in another layout: a mismatch, naming both layouts.
+    raised = _together(packed(a, [(2,), (4,)]), packed(b, [(4,), (2,)]))
+    assert all(isinstance(e, CollectiveMismatchError) for e in raised), raised
+    assert "): all_reduce(SUM) of 2 float32 arrays packed: [2] [4] at " in str(raised[0])
+    assert "): all_reduce(SUM) of 2 float32 arrays packed: [4] [2] at " in str(raised[0])
+
+
+def test_a_long_pack_is_named_by_its_first_shapes_and_a_digest_of_all() -> None:
+    store = MemoryStore()
+    a, b = _checker(store, 0), _checker(store, 1)
+    f32 = np.dtype(np.float32)
+    mine = [(i, 3) for i in range(100)]
+    theirs = [*mine[:-1], (100, 3)]  # differs only past what the message spells out
+    raised = _together(
+        lambda: _check(a, "all_reduce", f32, (14850,), parts=mine),
+        lambda: _check(b, "all_reduce", f32, (14850,), parts=theirs),
+    )
+    assert all(isinstance(e, CollectiveMismatchError) for e in raised), raised
+    lines = [line for line in str(raised[0]).splitlines() if "arrays packed" in line]
+    assert len(lines) == 2
+    for line in lines:
+        assert "all_reduce of 100 float32 arrays packed: [0,3] [1,3] [2,3]" in line
+        assert " ... (all shapes: digest " in line
+    assert lines[0].split("digest ")[1][:16] != lines[1].split("digest ")[1][:16]

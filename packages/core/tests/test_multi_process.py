@@ -238,7 +238,10 @@ def test_check_signature() -> None:
     agreeing = _Checker(None)
     member = _membership(agreeing)
     assert member.check_signature("all_reduce", "float32", (3,), None) == ["", ""]
-    assert agreeing.calls == [("all_reduce", "float32", (3,), None, ""), ("confirm", "all_reduce")]
+    assert agreeing.calls == [
+        ("all_reduce", "float32", (3,), None, "", None),
+        ("confirm", "all_reduce"),
+    ]
     # checked: the caller's work runs after the signature is published, before the wait.
     agreeing.calls.clear()
 
@@ -251,10 +254,14 @@ def test_check_signature() -> None:
     assert member.checked("all_gather", "int32", (2,), 0, prepare) == (7, ["", ""])
     assert not member.entering
     assert agreeing.calls == [
-        ("all_gather", "int32", (2,), 0, ""),
+        ("all_gather", "int32", (2,), 0, "", None),
         ("prepare",),
         ("confirm", "all_gather"),
     ]
+    # A pack's shapes travel with its signature.
+    agreeing.calls.clear()
+    member.checked("all_reduce", "float32", (5,), None, lambda: 0, parts=[(2,), (3,)])
+    assert agreeing.calls[0] == ("all_reduce", "float32", (5,), None, "", [(2,), (3,)])
     assert _membership(None).checked("all_reduce", "float32", (3,), None, lambda: 8) == (8, None)
     mismatch = errors.CollectiveMismatchError("Workers disagree")
     member = _membership(_Checker(mismatch))

@@ -339,3 +339,19 @@ def test_compute_average_loss_of_bfloat16_losses() -> None:
         assert value.dtype == BF16 and float(value) == 1.0859375
     with pytest.raises(TypeError, match="floating-point"):
         strategy.run(lambda: pd.nn.compute_average_loss(np.array([1, 2], ml_dtypes.int4)))
+
+
+def test_bfloat16_variables_take_ml_dtypes_values() -> None:
+    """A variable holds ml_dtypes' floats (kind 'V' to NumPy) like NumPy's own floats:
+    created from one, assigned its own .numpy(), MEAN-aggregated; int4 is refused."""
+    strategy = pd.MirroredStrategy(2, backend=SimBackend("sequential"))
+    with strategy.scope():
+        v = pd.Variable(np.array([1.0078125, 3.0], BF16), aggregation=pd.VariableAggregation.MEAN)
+    v.assign(v.numpy())
+    strategy.run(lambda: v.assign(np.array([1.0, 2.0], BF16)))
+    assert [c.numpy().dtype for c in v.values] == [BF16, BF16]
+    assert v.numpy().tolist() == [1.0, 2.0]
+    with pytest.raises(TypeError, match="would lose information"):
+        v.assign(np.array([1, 2], ml_dtypes.int4))
+    with pytest.raises(TypeError, match="which a variable cannot hold"), strategy.scope():
+        pd.Variable(np.array([1, 2], ml_dtypes.int4))

@@ -79,6 +79,7 @@ from polydist._cluster import id_in_cluster, worker_count
 from polydist._communication import CommunicationOptions
 from polydist._devices import DeviceSpec
 from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS, MultiProcessMirroredStrategy
+from polydist.backend import pack_by_size
 from polydist.cluster_resolver import ClusterResolver
 from polydist_jax._backend import JaxBackend
 from polydist_jax._eager_grad import DifferentiableChannel
@@ -414,23 +415,30 @@ class _Cluster(mp.ClusterMembership):
             return self.call(what, completed)
 
     def check(
-        self, op: str, array: Any = None, axis: int | None = None, payload: str = ""
+        self,
+        op: str,
+        array: Any = None,
+        axis: int | None = None,
+        payload: str = "",
+        parts: Sequence[Sequence[int]] | None = None,
     ) -> list[str] | None:
         """Before collective ``op`` of ``array`` (None: a compiled step): `check_signature`
-        (its result); a late peer meets the watchdog, as in `_run`."""
+        (its result); a late peer meets the watchdog, as in `_run`. ``parts``: the shapes
+        packed into ``array``, if several."""
         with self._watched(op):
             if array is None:
                 return self.check_signature(op, payload=payload)
-            return self.check_signature(op, array.dtype, array.shape, axis, payload)
+            return self.checked(op, array.dtype, array.shape, axis, lambda: None, payload, parts)[1]
 
     def failed(self, what: str, err: BaseException) -> errors.OpError:
         failure = super().failed(what, err)
         _FAILED.append(failure)  # the process then exits without JAX's shutdown
         return failure
 
-    def psum(self, local: Any) -> Any:
-        """The sum of every worker's ``local`` (same shape and dtype everywhere)."""
-        self.check("all_reduce", local)
+    def psum(self, local: Any, parts: Sequence[Sequence[int]] | None = None) -> Any:
+        """The sum of every worker's ``local`` (same shape and dtype everywhere; ``parts``:
+        the shapes of the arrays packed into it, if several)."""
+        self.check("all_reduce", local, parts=parts)
         stacked = local.ndim == 0 or local.shape[0] == 0
         out = self._run("all_reduce", lambda: self._psum(self._concatenated(local)))
         result = out.addressable_data(0)
@@ -711,6 +719,44 @@ class JaxProcessBackend(JaxBackend):
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:
         total = self.reduce_to(values, destinations[0])  # a new array, on destinations[0]
         return [total, *self.broadcast(total, destinations[1:])]
+
+    def batch_all_reduce(
+        self, columns: Sequence[Sequence[Any]], destinations: Sequence[str], bytes_per_pack: int
+    ) -> list[list[Any]]:
+        """`all_reduce` of each column (a nest's arrays, eager): this worker's sums, packed
+        per dtype (`pack_by_size`) into one flat array that crosses the workers in one
+        checked psum. (A compiled step is one XLA program: its compiler combines.)"""
+        if not self.connected or any(is_tracer(v) for column in columns for v in column):
+            return [self.all_reduce(column, destinations) for column in columns]
+        assert self._cluster is not None
+        target = self._jax_device(destinations[0])
+        sums = []
+        for column in columns:
+            total = jax.device_put(column[0], target)
+            for v in column[1:]:
+                total = _add_jit(total, jax.device_put(v, target))
+            sums.append(total)
+        by_dtype: dict[Any, list[int]] = {}
+        for i, total in enumerate(sums):
+            by_dtype.setdefault(total.dtype, []).append(i)
+        results: list[Any] = [None] * len(columns)
+        for dtype, indices in by_dtype.items():
+            sizes = [sums[i].size * dtype.itemsize for i in indices]
+            for pack in pack_by_size(sizes, bytes_per_pack):
+                chosen = [indices[k] for k in pack]
+                if len(chosen) == 1:
+                    i = chosen[0]
+                    results[i] = jax.device_put(self._cluster.psum(sums[i]), target)
+                    continue
+                shapes = [sums[i].shape for i in chosen]
+                flat = jnp.concatenate([sums[i].reshape(-1) for i in chosen])
+                total = self._cluster.psum(flat, parts=shapes)
+                offset = 0
+                for i, shape in zip(chosen, shapes, strict=True):
+                    n = math.prod(shape)
+                    results[i] = jax.device_put(total[offset : offset + n].reshape(shape), target)
+                    offset += n
+        return [[r, *self.broadcast(r, destinations[1:])] for r in results]
 
     def all_gather(
         self, values: Sequence[Any], axis: int, destinations: Sequence[str]

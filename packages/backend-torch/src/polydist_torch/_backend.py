@@ -11,7 +11,7 @@ import torch
 
 from polydist._devices import DeviceSpec
 from polydist.backend import Capabilities, EagerReplicaRunner, convert_to_array
-from polydist_torch import _collectives
+from polydist_torch import _collectives, _low_precision
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._devices import (
     MAX_VIRTUAL_CPU_REPLICAS,
@@ -153,26 +153,30 @@ class TorchBackend:
             pinned = target.type == "cuda" and value.device.type == "cpu" and value.is_pinned()
             return value.to(target, non_blocking=pinned)
         array = np.asarray(convert_to_array(value))
+        # ml_dtypes' bfloat16 and float8_* (torch.from_numpy refuses them) go as their bits.
+        bits, low_precision = _low_precision.as_bits(array)
         try:
             if target.type == "cuda":
-                return _to_cuda(array, target)
-            # A private C-ordered copy, as TF's convert_to_tensor makes (replicas may
-            # update it in place); it also takes read-only and negative-stride arrays.
-            return torch.from_numpy(np.array(array, order="C", copy=True))
+                tensor = _to_cuda(bits, target)
+            else:
+                # A private C-ordered copy, as TF's convert_to_tensor makes (replicas may
+                # update it in place); it also takes read-only and negative-stride arrays.
+                tensor = torch.from_numpy(np.array(bits, order="C", copy=True))
         except TypeError as e:
             raise TypeError(
                 f"The torch backend cannot convert {type(value).__name__} of dtype "
                 f"{array.dtype} to a torch tensor: expected a torch.Tensor, a NumPy array of "
                 f"a dtype torch supports, or a Python number ({e})."
+                + _low_precision.unsupported_hint(array.dtype)
             ) from None
+        return tensor if low_precision is None else tensor.view(low_precision)
 
     def to_numpy(self, value: Any) -> np.ndarray:
         if not isinstance(value, torch.Tensor):
             return np.asarray(value)
         tensor = value.detach()
-        if tensor.dtype == torch.bfloat16:
-            tensor = tensor.float()  # NumPy has no bfloat16; float32 holds it exactly
-        array = tensor.numpy(force=True)
+        # bfloat16 and float8_* as ml_dtypes' dtypes, bit for bit (float32 without ml_dtypes).
+        array = _low_precision.numpy_of(tensor)
         # On the CPU ``numpy()`` shares memory with the tensor; hand out a copy.
         return array.copy() if tensor.device.type == "cpu" else array
 

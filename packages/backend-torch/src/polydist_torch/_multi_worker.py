@@ -72,9 +72,10 @@ from polydist._multi_process import (
     MultiProcessMirroredStrategy,
     describe_workers,
 )
+from polydist.backend import pack_by_size
 from polydist.cluster_resolver import ClusterResolver
 from polydist_torch._autograd import TorchReplicaChannel
-from polydist_torch._backend import Reduction, TorchBackend
+from polydist_torch._backend import Reduction, TorchBackend, _tensors
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
 from polydist_torch._host_all_reduce import ResultCache
 
@@ -365,6 +366,15 @@ _MOVE_AS = {
 }
 
 
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(int(dim), 1)
+    return tuple(reversed(strides))
+
+
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """A view gloo can move (the same bytes): complex as real pairs, other dtypes gloo
     refuses as a dtype of the same size (`_MOVE_AS`)."""
@@ -560,6 +570,78 @@ class TorchProcessGroupBackend(TorchBackend):
             )  # a new tensor
             self._group.all_reduce_(local)
         return local
+
+    def batch_all_reduce(
+        self, columns: Sequence[Sequence[Any]], destinations: Sequence[str], bytes_per_pack: int
+    ) -> list[list[Any]]:
+        """`all_reduce` of each column (a nest's arrays), packed as TF packs a nest: the
+        arrays of one dtype go into one flat buffer per pack (`pack_by_size`) and cross
+        the workers in one checked collective, whose results are handed out as tensors
+        of their own (not views) on the buffer's memory."""
+        if not self.connected:
+            return [self.all_reduce(column, destinations) for column in columns]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, column in enumerate(columns):
+            by_dtype.setdefault(_tensors(column)[0].dtype, []).append(i)
+        results: list[list[Any]] = [[] for _ in columns]
+        for dtype, indices in by_dtype.items():
+            sizes = [columns[i][0].numel() * dtype.itemsize for i in indices]
+            for pack in pack_by_size(sizes, bytes_per_pack):
+                chosen = [indices[k] for k in pack]
+                if len(chosen) == 1:
+                    results[chosen[0]] = self.all_reduce(columns[chosen[0]], destinations)
+                    continue
+                parts = self._packed([columns[i] for i in chosen], dtype, destinations[0])
+                for i, total in zip(chosen, parts, strict=True):
+                    results[i] = [total, *self._copies(total, destinations[1:])]
+        return results
+
+    def _packed(
+        self, columns: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype, destination: str
+    ) -> list[torch.Tensor]:
+        """The sums over every replica of several arrays of ``dtype``: one collective."""
+        assert self._group is not None
+        device = torch_device(destination)
+        shapes = [column[0].shape for column in columns]
+        numels = [column[0].numel() for column in columns]
+        total = sum(numels)
+
+        def fill() -> torch.Tensor:  # the local sums, while the check's round trip travels
+            flat = (
+                self._cache.empty((total,), dtype)
+                if device.type == "cpu"
+                else torch.empty(total, dtype=dtype, device=device)
+            )
+            offset = 0
+            for column, n in zip(columns, numels, strict=True):
+                part = flat[offset : offset + n]
+                offset += n
+                if len(column) == 1:
+                    part.copy_(column[0].reshape(-1))
+                elif device.type == "cpu":  # in replica order, as `_local_sum`
+                    first = column[0].to(device).reshape(-1)
+                    torch.add(first, column[1].to(device).reshape(-1), out=part)
+                    for value in column[2:]:
+                        part.add_(value.to(device).reshape(-1))
+                else:
+                    part.copy_(TorchBackend.reduce_to(self, column, destination).reshape(-1))
+            return flat
+
+        with torch.no_grad():
+            flat, _ = self._group.checked(
+                "all_reduce", dtype, (total,), None, fill, parts=[tuple(s) for s in shapes]
+            )
+            self._group.all_reduce_(flat)
+        storage, offset = flat.untyped_storage(), 0
+        results: list[torch.Tensor] = []
+        for shape, n in zip(shapes, numels, strict=True):
+            # A tensor of its own on the buffer's memory: not a view, so autograd and
+            # in-place updates treat it as the fresh tensor a lone all_reduce returns.
+            own = torch.empty(0, dtype=dtype, device=device)
+            own.set_(storage, offset, shape, _contiguous_strides(shape))
+            results.append(own)
+            offset += n
+        return results
 
     def _local_sum(self, values: Sequence[Any], destination: str) -> Any:
         """The sum of this worker's values in replica order, into a cached block on CPU."""

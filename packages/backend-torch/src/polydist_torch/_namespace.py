@@ -10,8 +10,9 @@ assignments), and a variable backed by a ``torch.nn.Parameter``
 (``polydist_torch.parameters``) always tracks gradients. This ``asarray``
 passes ``requires_grad=obj.requires_grad`` for a tensor when the caller did
 not: torch 2.13's new default, on every torch version and without the warning.
-So ``v.read_value()`` is differentiable, as TF's is. Everything else is
-``array_api_compat.torch`` itself.
+So ``v.read_value()`` is differentiable, as TF's is. It also takes NumPy arrays
+of ml_dtypes' bfloat16 and float8_* (``v.numpy()`` of such a variable), which
+``torch.asarray`` refuses. Everything else is ``array_api_compat.torch`` itself.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import array_api_compat.torch as _compat
+import numpy as np
 import torch
+
+from polydist_torch import _low_precision
 
 __all__ = ["asarray"]
 
@@ -33,7 +37,14 @@ def asarray(
     copy: bool | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """``array_api_compat.torch.asarray``; a tensor keeps its ``requires_grad`` unless told."""
+    """``array_api_compat.torch.asarray``; a tensor keeps its ``requires_grad`` unless told,
+    and ml_dtypes' bfloat16 and float8_* arrays become torch's dtypes, bit for bit."""
+    if isinstance(obj, np.ndarray | np.generic):
+        bits, low_precision = _low_precision.as_bits(np.asarray(obj))
+        if low_precision is not None:  # torch.asarray refuses ml_dtypes' dtypes
+            if copy is not False:  # a private copy (also for read-only arrays)
+                bits, copy = np.array(bits, order="C", copy=True), None
+            obj = torch.from_numpy(bits).view(low_precision)
     if isinstance(obj, torch.Tensor) and "requires_grad" not in kwargs:
         kwargs["requires_grad"] = obj.requires_grad
     result: torch.Tensor = _compat.asarray(obj, dtype=dtype, device=device, copy=copy, **kwargs)

@@ -154,6 +154,10 @@ class Backend(Protocol):
     Optional: ``is_symbolic(value) -> bool``: whether ``value`` belongs to a program
     being compiled (a JAX tracer), whose concrete values do not exist yet; see
     `is_symbolic`.
+
+    Optional: ``batch_all_reduce(columns, destinations, bytes_per_pack)``: the
+    ``all_reduce`` of several arrays at once (one replica-context ``all_reduce`` of a
+    nest), packed into fewer collectives; see `batch_all_reduce`.
     """
 
     name: str
@@ -308,6 +312,54 @@ def is_symbolic(backend: Backend, value: Any) -> bool:
     shapes (a MEAN's element count) is the same on every worker."""
     method = getattr(backend, "is_symbolic", None)
     return bool(method(value)) if method is not None else False
+
+
+def batch_all_reduce(
+    backend: Backend,
+    columns: Sequence[Sequence[Any]],
+    destinations: Sequence[str],
+    bytes_per_pack: int = 0,
+) -> list[list[Any]]:
+    """``backend.all_reduce(column, destinations)`` of each column (one array per
+    replica), through the backend's optional ``batch_all_reduce(columns, destinations,
+    bytes_per_pack)`` when it has one (and there are several columns).
+
+    The batch method may pack the columns into fewer collectives, as TF packs a nest
+    into one ``all_reduce`` per pack (`pack_by_size`): ``bytes_per_pack`` is
+    ``CommunicationOptions.bytes_per_pack`` (0: one pack). Each column's results must
+    equal its own ``all_reduce``'s and be arrays of their own to the caller (a result
+    may be a view into a packed buffer only if no other result aliases its memory).
+    """
+    method = getattr(backend, "batch_all_reduce", None)
+    if method is None or len(columns) < 2:
+        return [backend.all_reduce(column, destinations) for column in columns]
+    results: list[list[Any]] = method(columns, destinations, bytes_per_pack)
+    if len(results) != len(columns):
+        raise RuntimeError(
+            f"Backend {backend.name!r}: batch_all_reduce returned {len(results)} results for "
+            f"{len(columns)} columns; it must return one list of per-destination results "
+            "per column, in order."
+        )
+    return results
+
+
+def pack_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
+    """The indices ``0..len(nbytes)-1`` in order, split into packs as TF's
+    ``group_by_size`` does: everything in one pack when ``bytes_per_pack`` is 0, else a
+    new pack starts once the last one holds more than ``bytes_per_pack`` bytes."""
+    if bytes_per_pack < 0:
+        raise ValueError(f"bytes_per_pack must be >= 0, got {bytes_per_pack}.")
+    if bytes_per_pack == 0:
+        return [list(range(len(nbytes)))] if nbytes else []
+    packs: list[list[int]] = []
+    last = 0
+    for i, size in enumerate(nbytes):
+        if not packs or last > bytes_per_pack:
+            packs.append([])
+            last = 0
+        packs[-1].append(i)
+        last += size
+    return packs
 
 
 def _reset_registry_for_tests() -> None:

@@ -35,6 +35,7 @@ Otherwise the call site is the innermost frame outside polydist.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -145,7 +146,17 @@ class _Heartbeats(Protocol):
     def add_chore(self, chore: Callable[[Any], None]) -> None: ...
 
 
-def _signature(op: str, dtype: Any, shape: Sequence[int], axis: int | None) -> str:
+#: How much of a pack's list of shapes a signature spells out (then a digest of it all).
+_PARTS_TEXT = 240
+
+
+def _signature(
+    op: str,
+    dtype: Any,
+    shape: Sequence[int],
+    axis: int | None,
+    parts: Sequence[Sequence[int]] | None = None,
+) -> str:
     if dtype is None:  # a whole compiled step: its program is compared by the engine
         return op
     dims: list[str] = [str(int(d)) for d in shape]
@@ -153,7 +164,14 @@ def _signature(op: str, dtype: Any, shape: Sequence[int], axis: int | None) -> s
         dims[axis] = "*"  # all_gather: sizes along the axis may differ
     reduce_op = _INTENT.reduce_op if _INTENT.active else None
     what = f"{op}({reduce_op})" if reduce_op else f"{op}(axis={axis})" if axis is not None else op
-    return f"{what} of {dtype_name(dtype)}[{','.join(dims)}]"
+    if parts is None:
+        return f"{what} of {dtype_name(dtype)}[{','.join(dims)}]"
+    # A pack of several arrays: every worker must pack the same shapes, in the same order.
+    shapes = " ".join(f"[{','.join(str(int(d)) for d in p)}]" for p in parts)
+    if len(shapes) > _PARTS_TEXT:
+        digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+        shapes = f"{shapes[:_PARTS_TEXT]} ... (all shapes: digest {digest})"
+    return f"{what} of {len(parts)} {dtype_name(dtype)} arrays packed: {shapes}"
 
 
 class Pending(NamedTuple):
@@ -227,20 +245,23 @@ class CollectiveChecker:
         shape: Sequence[int] = (),
         axis: int | None = None,
         payload: str = "",
+        parts: Sequence[Sequence[int]] | None = None,
     ) -> Pending | None:
         """Called right before this worker issues a cross-process collective ``op`` of an
         array of ``dtype`` and ``shape`` (``axis``: an all_gather's; ``dtype=None``: ``op``
         alone): publishes this worker's signature and returns at once (``None``: checks
         are off), so that the caller's own work (copying the input) overlaps the store's
         round trip. `confirm` must follow, in the same call stack, before the collective
-        is issued. ``payload`` (one line, not compared) travels with the signature."""
+        is issued. ``payload`` (one line, not compared) travels with the signature.
+        ``parts``: the shapes of the arrays packed into this collective (``shape`` is
+        then the pack's), compared too."""
         if self._enabled is None:
             modes = self._wait([f"cc/mode/{r}" for r in self._others], "their first collective")
             self._enabled = all(m == "1" for m in modes)  # the same answer on every worker
         self.seq += 1
         if not self._enabled:
             return None
-        mine = _signature(op, dtype, shape, axis)
+        mine = _signature(op, dtype, shape, axis, parts)
         key, value = f"cc/{self.seq}/{self._rank}", f"{mine}\n{payload}"
         if self._publisher is None:
             self._store.set(key, value)

@@ -38,6 +38,7 @@ import numpy as np
 
 from polydist import _context, _trace
 from polydist._arrays import dtype_name
+from polydist._backend import batch_all_reduce
 from polydist._collective_check import collective_intent
 from polydist._reduce_op import ReduceOp
 from polydist._values import regroup, select_replica
@@ -415,6 +416,8 @@ class _Run:
         self.fn = fn
         self.args = per_replica_args
         self.timeout = timeout
+        options = getattr(extended, "_communication_options", None)  # multi-worker only
+        self.bytes_per_pack: int = options.bytes_per_pack if options is not None else 0
         slot_class: type[_Slot] = _GreenletSlot if mode == "greenlet" else _ThreadSlot
         if mode == "thread" and len(per_replica_args) == 1:  # EagerReplicaRunner.runs_inline
             slot_class = _InlineSlot
@@ -492,6 +495,23 @@ class _Run:
         # Engines that check collectives across processes publish the op and call site.
         reduce_op = first.signature[0] if first.kind == "all_reduce" else None
         intent = collective_intent(reduce_op, lambda: first.source)
+        if first.kind == "all_reduce" and len(first.payload) > 1:
+            # A nest: the backend may pack its arrays into fewer collectives (TF packs).
+            columns = [[leaves[i] for leaves in placed] for i in range(len(first.payload))]
+            start = time.perf_counter() if timed else 0.0
+            with intent:
+                sums = batch_all_reduce(backend, columns, devices, self.bytes_per_pack)
+            duration = time.perf_counter() - start if timed else None
+            for reduced in sums:
+                for r, out in enumerate(outputs):
+                    out.append(reduced[r])
+            if tracing:
+                sizes = [_nbytes(column[0]) for column in columns]
+                total = sum(sizes) or 1
+                for column, size in zip(columns, sizes, strict=True):
+                    share = None if duration is None else duration * size / total
+                    _record(first, column[0], devices, backend.name, share)
+            return outputs
         for i in range(len(first.payload)):
             values = [leaves[i] for leaves in placed]
             start = time.perf_counter() if timed else 0.0
@@ -536,18 +556,22 @@ def _record(
     duration: float | None = None,
 ) -> None:
     shape = tuple(int(d) for d in example.shape)
-    itemsize = np.dtype(dtype_name(example.dtype)).itemsize
     _trace.record_collective(
         request.kind,
         reduce_op=request.signature[0] if request.kind == "all_reduce" else None,
         dtype=dtype_name(example.dtype),
-        nbytes=int(np.prod(shape, dtype=np.int64)) * itemsize,
+        nbytes=_nbytes(example),
         shape=shape,
         participants=tuple(devices),
         backend=backend,
         source=request.source,
         duration=duration,
     )
+
+
+def _nbytes(array: Any) -> int:
+    shape = tuple(int(d) for d in array.shape)
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype_name(array.dtype)).itemsize
 
 
 class EagerReplicaRunner:

@@ -41,7 +41,7 @@ import numpy as np
 import optree
 
 from polydist import _context
-from polydist._arrays import dtype_name
+from polydist._arrays import dtype_name, is_floating
 from polydist._devices import HOST_DEVICE, DeviceSpec
 from polydist._values import DistributedValues, PerReplica
 from polydist.data._dataset import (
@@ -339,7 +339,7 @@ def warn_if_partial_batch_mean(strategy: Strategy, value: Any, stacklevel: int =
     nan_replicas = []
     for r, component in enumerate(value.values):
         array = np.asarray(backend.to_numpy(component))
-        if array.dtype.kind not in "fc":
+        if not is_floating(np, array.dtype):  # ml_dtypes' bfloat16 and float8_* included
             return
         if np.isnan(array).any():
             nan_replicas.append(r)

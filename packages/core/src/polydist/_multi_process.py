@@ -52,7 +52,13 @@ import numpy as np
 
 from polydist import _trace, _variables, errors
 from polydist._arrays import check_summable, convert_to_array, is_integral, mean_from_sum
-from polydist._backend import Backend, Capabilities, ReplicaChannel, is_symbolic
+from polydist._backend import (
+    Backend,
+    Capabilities,
+    ReplicaChannel,
+    batch_all_reduce,
+    is_symbolic,
+)
 from polydist._cluster import InReplicaContext
 from polydist._collective_check import (
     CollectiveChecker,
@@ -63,6 +69,7 @@ from polydist._collective_check import (
 from polydist._communication import CommunicationOptions
 from polydist._devices import HOST_DEVICE, DeviceSpec
 from polydist._eager import EagerReplicaRunner
+from polydist._indexed_slices import IndexedSlices
 from polydist._multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
 from polydist._reduce_op import ReduceOp
 from polydist._replica_context import ReplicaContext, _check_gather_axis
@@ -272,6 +279,14 @@ def resolve_cluster(
     )
 
 
+def _destination_devices(destinations: Any) -> tuple[str, ...]:
+    """Where a reduction onto ``destinations`` puts its result: every component's device
+    of a distributed value (or variable), else the one device."""
+    if isinstance(destinations, DistributedValues):
+        return tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
+    return (_destination(destinations),)
+
+
 def shape_row(shape: Sequence[int]) -> np.ndarray:
     """``[rank, *shape]`` as int64: what each worker sends before an all_gather across
     workers, whose sizes along the axis may differ (`gathered_sizes`)."""
@@ -433,6 +448,49 @@ class MultiProcessExtended(MultiWorkerExtended):
         if reduce_op is ReduceOp.MEAN:
             total = mean_from_sum(backend.array_namespace(), total, n)
         return total
+
+    def _batch_reduce_to(self, reduce_op: ReduceOp, pairs: list[tuple[Any, Any]]) -> list[Any]:
+        """Packs, as TF's collective all-reduce batches a ``batch_reduce_to``: the dense
+        per-replica values with the same destination devices go to the backend together
+        (`polydist.backend.batch_all_reduce`: one collective per pack on torch); the
+        other pairs reduce one by one, after them."""
+        if self._num_workers == 1 or len(pairs) < 2:
+            return super()._batch_reduce_to(reduce_op, pairs)
+        groups: dict[tuple[str, ...], list[int]] = {}
+        columns: dict[int, list[Any]] = {}
+        for i, (value, destinations) in enumerate(pairs):
+            value = _variables.read_for_reduce(value)
+            if (
+                not isinstance(value, DistributedValues)
+                or isinstance(value, Mirrored)
+                or len(value.values) != self._num_devices_per_worker
+                or any(isinstance(v, IndexedSlices) for v in value.values)
+            ):
+                continue
+            components = [convert_to_array(v) for v in value.values]
+            _check_same_shape(components, "reduce")
+            check_summable(reduce_op, components)
+            columns[i] = self._place_components(components)
+            groups.setdefault(_destination_devices(destinations), []).append(i)
+        results: list[Any] = [None] * len(pairs)
+        backend, n = self._backend, self._num_replicas_in_sync
+        bytes_per_pack = self._communication_options.bytes_per_pack
+        for dests, chosen in groups.items():
+            with collective_intent(reduce_op.value):
+                sums = batch_all_reduce(
+                    backend, [columns[i] for i in chosen], dests, bytes_per_pack
+                )
+            for i, reduced in zip(chosen, sums, strict=True):
+                self._record("all_reduce", reduce_op, columns[i][0])
+                if reduce_op is ReduceOp.MEAN:
+                    xp = backend.array_namespace()
+                    reduced = [mean_from_sum(xp, s, n) for s in reduced]
+                distributed = isinstance(pairs[i][1], DistributedValues)
+                results[i] = Mirrored(reduced) if distributed else reduced[0]
+        for i, (value, destinations) in enumerate(pairs):
+            if i not in columns:
+                results[i] = self._reduce_to(reduce_op, value, destinations)
+        return results
 
     def _reduce_host_value(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
         # As TF (and the sim): every worker contributes its copy once: SUM is W * value.
@@ -819,15 +877,17 @@ class ClusterMembership:
         axis: int | None,
         prepare: Callable[[], _T],
         payload: str = "",
+        parts: Sequence[Sequence[int]] | None = None,
     ) -> tuple[_T, list[str] | None]:
         """`check_signature`, running ``prepare()`` (the caller's work before the
-        collective) while this worker's signature travels: (its result, the payloads)."""
+        collective) while this worker's signature travels: (its result, the payloads).
+        ``parts``: the shapes of the arrays packed into the collective, if several."""
         if self.checker is None or self.failure is not None:
             # no store to compare through (or `call` raises the failure)
             return prepare(), None
         self.entering = True
         try:
-            pending = self.checker.publish(op, dtype, shape, axis, payload)
+            pending = self.checker.publish(op, dtype, shape, axis, payload, parts)
             prepared = prepare()
             return prepared, self.checker.confirm(pending)
         except errors.CollectiveMismatchError:

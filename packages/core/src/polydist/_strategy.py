@@ -172,7 +172,12 @@ class StrategyExtended(ExtendedVariablesMixin):
             )
             if batched is not None:
                 return batched
-        return [self._reduce_to(reduce_op, v, d) for v, d in value_destination_pairs]
+        return self._batch_reduce_to(reduce_op, list(value_destination_pairs))
+
+    def _batch_reduce_to(self, reduce_op: ReduceOp, pairs: list[tuple[Any, Any]]) -> list[Any]:
+        """`batch_reduce_to` without cross-device ops: one `_reduce_to` per pair (a
+        strategy across processes packs them instead)."""
+        return [self._reduce_to(reduce_op, v, d) for v, d in pairs]
 
     def _reduce_to(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
         value = _variables.read_for_reduce(value)  # a variable reduces as its copies' values

@@ -63,7 +63,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 
 from polydist import _context, _nest, _scatter
-from polydist._arrays import convert_to_array, describe, dtype_name, is_array, mean_from_sum
+from polydist._arrays import (
+    convert_to_array,
+    describe,
+    dtype_name,
+    is_array,
+    is_floating,
+    mean_from_sum,
+)
 from polydist._backend import Backend, get_backend
 from polydist._devices import HOST_DEVICE
 from polydist._indexed_slices import IndexedSlices
@@ -312,7 +319,10 @@ def _kind(dtype: Any, xp: Any) -> str:
     if isinstance(dtype, type) and issubclass(dtype, np.generic):
         dtype = np.dtype(dtype)
     if isinstance(dtype, np.dtype):
-        return dtype.kind if dtype.kind in "biufc" else "?"
+        if dtype.kind in "biufc":
+            return dtype.kind
+        # ml_dtypes' bfloat16 and float8_* (JAX's, and torch's to_numpy) are kind 'V'.
+        return "f" if is_floating(np, dtype) else "?"
     for kind, name in (
         ("b", "bool"),
         ("i", "signed integer"),
@@ -815,7 +825,7 @@ class Variable(metaclass=_VariableMeta):
         nd = method == "batch_scatter_update" or method.startswith("scatter_nd")
         apply = _scatter.scatter_nd_rows if nd else _scatter.scatter_rows
         new = self._place(apply(base, index_array, update_array, op, method, self._name))
-        if dtype_name(new.dtype) != dtype_name(self.dtype):  # e.g. bfloat16 via float32
+        if dtype_name(new.dtype) != dtype_name(self.dtype):  # bfloat16 via float32 (no ml_dtypes)
             new = backend.array_namespace().astype(new, self.dtype)
         self._write_storage(new)
         return self._result(True)
@@ -1478,7 +1488,8 @@ def create_variable(
     for i, device in enumerate(devices):
         placed = backend.place(array if i == 0 else _copy(host, xp), device)
         if i and placed.dtype != components[0].dtype:
-            # to_numpy widens dtypes NumPy lacks (torch's bfloat16 -> float32).
+            # to_numpy may widen dtypes NumPy lacks (torch's bfloat16 -> float32 where
+            # ml_dtypes is not installed).
             placed = xp.astype(placed, components[0].dtype)
         components.append(
             Variable._from_array(

@@ -15,9 +15,11 @@ from polydist._backend import Backend as Backend
 from polydist._backend import Capabilities as Capabilities
 from polydist._backend import ReplicaChannel as ReplicaChannel
 from polydist._backend import available_backends as available_backends
+from polydist._backend import batch_all_reduce as batch_all_reduce
 from polydist._backend import get_backend as get_backend
 from polydist._backend import is_symbolic as is_symbolic
 from polydist._backend import local_tpu_system as local_tpu_system
+from polydist._backend import pack_by_size as pack_by_size
 from polydist._eager import EagerReplicaRunner as EagerReplicaRunner
 from polydist._eager import busy_workers as busy_workers
 from polydist._eager import default_timeout as default_timeout
@@ -29,6 +31,7 @@ __all__ = [
     "EagerReplicaRunner",
     "ReplicaChannel",
     "available_backends",
+    "batch_all_reduce",
     "busy_workers",
     "convert_to_array",
     "default_timeout",
@@ -36,4 +39,5 @@ __all__ = [
     "is_symbolic",
     "local_tpu_system",
     "mean_from_sum",
+    "pack_by_size",
 ]

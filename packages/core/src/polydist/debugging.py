@@ -13,7 +13,7 @@ import numpy as np
 import optree
 
 from polydist import _context
-from polydist._arrays import describe
+from polydist._arrays import describe, is_floating
 from polydist._backend import Backend
 from polydist._strategy import Strategy
 from polydist._values import DistributedValues, Mirrored
@@ -125,7 +125,7 @@ def _first_difference(a: np.ndarray, b: np.ndarray, r: int) -> str:
         f"first difference at index {tuple(int(k) for k in index)}: "
         f"{flat_a[i].item()!r} (replica 0) vs {flat_b[i].item()!r} (replica {r})"
     )
-    if a.dtype.kind in "iufc":
+    if a.dtype.kind in "iuc" or is_floating(np, a.dtype):  # ml_dtypes' floats are kind 'V'
         wide = np.complex128 if a.dtype.kind == "c" else np.float64
         with np.errstate(all="ignore"):
             diff = np.abs(a.astype(wide) - b.astype(wide)).reshape(-1)

@@ -2,7 +2,8 @@
 
 ``save``/``restore`` (:mod:`polydist.checkpoint._save`) store a strategy's
 variables; :mod:`polydist.checkpoint._io` has the on-disk layout and the
-atomicity argument.
+atomicity argument. Values are stored bit for bit, ml_dtypes' bfloat16 and
+float8_* included.
 """
 
 from polydist.checkpoint._io import (

@@ -7,6 +7,7 @@ Layout of a checkpoint root directory::
       ckpt-1/
         manifest.json       format version, step, metadata, and per array: name,
                             file, shape, dtype, nbytes, sha256 of the raw data bytes
+                            (and storage_dtype for an ml_dtypes array, see below)
         000000.npy          one plain .npy file per array (C order)
         000001.npy
       ckpt-2/
@@ -16,6 +17,16 @@ Layout of a checkpoint root directory::
 
 Variable names live only inside ``manifest.json`` (JSON strings), never in file
 names, so any name (``"dense/kernel:0"``, unicode, ...) is stored safely.
+
+Arrays of ml_dtypes' floats (``bfloat16``, ``float8_*``, ``float4_e2m1fn``, ...; NumPy has no such
+dtypes, and .npy files cannot name them) are stored by their bits: the .npy file holds
+the unsigned integer view of the same width, the manifest entry's ``dtype`` is the
+ml_dtypes name (``"bfloat16"``) and its ``storage_dtype`` that integer dtype
+(``"<u2"``).  Readers view the bits as the ml_dtypes dtype again, so values come back
+bit for bit (NaN payloads, -0.0 included); ml_dtypes is imported only then.  A
+manifest holding such an entry has format version 2, so that older polydist refuses
+it ("written by a newer polydist") instead of misreading it; all other checkpoints
+are still written as version 1, which every version reads.
 
 Atomicity: a checkpoint is assembled in a temporary directory inside ``root``; every
 file and the temporary directory are fsynced, the directory is renamed to
@@ -36,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
+import importlib
 import json
 import math
 import operator
@@ -48,7 +60,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import Any, NamedTuple, TypeAlias, TypeGuard
 
 import numpy as np
@@ -72,8 +84,12 @@ __all__ = [
     "write_arrays",
 ]
 
-#: Version of the on-disk format written by this module (manifest and pointer).
-FORMAT_VERSION = 1
+#: Newest version of the on-disk format this module reads and writes.  A manifest is
+#: written with the lowest version that can describe it: 1 (the pointer file, and
+#: checkpoints of NumPy dtypes only) or 2 (it holds ml_dtypes arrays stored by their bits).
+FORMAT_VERSION = 2
+_BASE_VERSION = 1
+_ML_DTYPES_VERSION = 2  # first version with storage_dtype entries
 
 _MANIFEST_FORMAT = "polydist.checkpoint"
 _POINTER_FORMAT = "polydist.checkpoint.pointer"
@@ -85,6 +101,8 @@ _CKPT_RE = re.compile(r"ckpt-(0|[1-9][0-9]*)")
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.npy")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SUPPORTED_KINDS = "biufc"  # bool, signed/unsigned integer, floating, complex
+_ML_NAME_RE = re.compile(r"[a-z][a-z0-9_]*")
+_ML_FLOAT_PREFIXES = ("bfloat", "float")
 
 # Arrays are streamed to and from disk in pieces of this many bytes.
 _CHUNK_BYTES = 16 * 1024 * 1024
@@ -157,6 +175,8 @@ class _Entry:
     file: str
     spec: ArraySpec
     sha256: str
+    storage: np.dtype[Any]
+    """The dtype of the .npy file: ``spec.dtype``, or the bits of an ml_dtypes dtype."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -238,21 +258,92 @@ def _fmt_spec(shape: Sequence[int], dtype: np.dtype[Any]) -> str:
 # --------------------------------------------------------------------------- validation
 
 
-def _check_dtype(dtype: np.dtype[Any], name: str) -> None:
+_SUPPORTED = (
+    "supported are bool, NumPy's integer, floating and complex dtypes, and ml_dtypes' "
+    "floats (bfloat16, float8_*, float6_*, float4_e2m1fn)"
+)
+
+
+def _ml_float_bits(dtype: np.dtype[Any]) -> tuple[int | None, bool]:
+    """(bits per element, is a float) of an ml_dtypes dtype; bits None for a dtype that
+    is not ml_dtypes' or not a real number (complex32)."""
+    try:  # the array exists, so ml_dtypes (if it is its dtype) is already imported
+        ml = importlib.import_module("ml_dtypes")
+    except ImportError:
+        return None, False
+    if not _ML_NAME_RE.fullmatch(dtype.name) or getattr(ml, dtype.name, None) is None:
+        return None, False
+    if np.dtype(getattr(ml, dtype.name)) != dtype:
+        return None, False
+    is_float = dtype.name.startswith(_ML_FLOAT_PREFIXES)
+    try:
+        bits = int((ml.finfo if is_float else ml.iinfo)(dtype).bits)
+    except (TypeError, ValueError):  # complex32 and other non-real types
+        return None, False
+    return bits, is_float
+
+
+def _check_dtype(dtype: np.dtype[Any], name: str) -> np.dtype[Any] | None:
+    """Refuses dtypes a checkpoint cannot hold; for an ml_dtypes float, returns the
+    unsigned integer dtype its bits are stored as (None for NumPy's own dtypes)."""
+    if dtype.isbuiltin == 2:  # a NumPy extension dtype, such as ml_dtypes'
+        bits, is_float = _ml_float_bits(dtype)
+        if bits is not None and bits < 8 * dtype.itemsize and not is_float:
+            # Variables refuse these too; sub-byte floats are stored a byte per element.
+            raise TypeError(
+                f"variable {name!r}: dtype {dtype.name} cannot be checkpointed: it is one of "
+                f"ml_dtypes' sub-byte integer dtypes ({bits} bits per element; int4, uint4, "
+                f"int2, ...), which checkpoints do not store; {_SUPPORTED}. Cast it first, "
+                "e.g. with .astype(np.int8)"
+            )
+        if bits is None or not is_float:
+            raise TypeError(
+                f"variable {name!r}: dtype {dtype.name} cannot be checkpointed; "
+                f"{_SUPPORTED} (cast it, e.g. with .astype(np.float32))"
+            )
+        return np.dtype(f"u{dtype.itemsize}")
     if dtype.kind not in _SUPPORTED_KINDS or dtype.fields is not None or dtype.subdtype:
         raise TypeError(
-            f"variable {name!r}: dtype {dtype!r} cannot be checkpointed; supported are "
-            "bool and NumPy's integer, floating and complex dtypes (cast it, e.g. with "
-            ".astype(np.float32))"
+            f"variable {name!r}: dtype {dtype!r} cannot be checkpointed; {_SUPPORTED} "
+            "(cast it, e.g. with .astype(np.float32))"
         )
+    return None
+
+
+def _ml_dtype_for_reading(
+    dtype_name: str, path: Path, where: str, bad: Callable[[str], CheckpointCorruptError]
+) -> np.dtype[Any]:
+    """ml_dtypes' dtype named ``dtype_name``, imported only now that a checkpoint has one."""
+    try:
+        ml: ModuleType = importlib.import_module("ml_dtypes")
+    except ImportError:
+        raise CheckpointError(
+            f"{path}: {where} is stored as {dtype_name}, a dtype of the ml_dtypes package, "
+            "which is not installed: pip install ml_dtypes to read this checkpoint"
+        ) from None
+    scalar = getattr(ml, dtype_name, None)
+    if scalar is None:
+        version = getattr(ml, "__version__", "?")
+        raise CheckpointError(
+            f"{path}: {where} is stored as {dtype_name}, which the installed ml_dtypes {version} "
+            "does not define: upgrade it (pip install -U ml_dtypes) to read this checkpoint"
+        )
+    try:
+        dtype: np.dtype[Any] = np.dtype(scalar)
+    except TypeError:
+        dtype = np.dtype(np.void)
+    bits, is_float = _ml_float_bits(dtype)
+    if dtype.name != dtype_name or bits is None or not is_float:
+        raise bad(f"{where}: unsupported dtype {dtype_name!r} (not an ml_dtypes float)")
+    return dtype
 
 
 def _prepare_arrays(
     arrays: Mapping[str, np.ndarray[Any, Any] | np.generic[Any]],
-) -> list[tuple[str, np.ndarray]]:
+) -> list[tuple[str, np.ndarray, np.dtype[Any] | None]]:
     if not isinstance(arrays, Mapping):
         raise TypeError(f"arrays must be a mapping of name -> np.ndarray, got {type(arrays)!r}")
-    out: list[tuple[str, np.ndarray]] = []
+    out: list[tuple[str, np.ndarray, np.dtype[Any] | None]] = []
     for name, value in arrays.items():
         if not isinstance(name, str):
             raise TypeError(f"array names must be str, got {name!r} ({type(name).__name__})")
@@ -264,8 +355,7 @@ def _prepare_arrays(
                 "convert it with np.asarray(...) first"
             )
         arr = np.asarray(value)
-        _check_dtype(arr.dtype, name)
-        out.append((name, arr))
+        out.append((name, arr, _check_dtype(arr.dtype, name)))
     return out
 
 
@@ -350,13 +440,13 @@ def _read_array_file(ckpt_dir: Path, entry: _Entry) -> np.ndarray:
                 f"variable {name!r}: the header of {path} is unreadable ({e}) (file damaged?); "
                 + _restore_hint(ckpt_dir)
             ) from None
-        if tuple(shape) != spec.shape or dtype != spec.dtype or fortran:
+        if tuple(shape) != spec.shape or dtype != entry.storage or fortran:
             found = _fmt_spec(shape, dtype) + (" Fortran order" if fortran else "")
             raise CheckpointCorruptError(
-                f"variable {name!r}: the manifest says {_fmt_spec(spec.shape, spec.dtype)} but "
-                f"{path} holds {found} (file damaged or replaced?); " + _restore_hint(ckpt_dir)
+                f"variable {name!r}: the manifest says {_fmt_spec(spec.shape, entry.storage)} "
+                f"but {path} holds {found} (file damaged or replaced?); " + _restore_hint(ckpt_dir)
             )
-        out = np.empty(spec.shape, spec.dtype)
+        out = np.empty(spec.shape, entry.storage)
         view = out.reshape(-1).view(np.uint8).data
         digest = hashlib.sha256()
         total, pos = spec.nbytes, 0
@@ -380,6 +470,8 @@ def _read_array_file(ckpt_dir: Path, entry: _Entry) -> np.ndarray:
             f"variable {name!r}: checksum mismatch (file damaged?): the manifest expects "
             f"sha256 {entry.sha256}, {path} has {found_sha}; " + _restore_hint(ckpt_dir)
         )
+    if entry.storage != spec.dtype:  # ml_dtypes' bits: to native byte order, then view
+        return out.astype(entry.storage.newbyteorder("="), copy=False).view(spec.dtype)
     return out
 
 
@@ -445,18 +537,28 @@ def _load_manifest(ckpt_dir: Path) -> tuple[Manifest, dict[str, _Entry]]:
             raise bad(f"{where}: bad or duplicate file name {file!r}")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise bad(f"{where}: shape must be a list of non-negative integers, found {shape!r}")
-        try:
-            dtype = np.dtype(dtype_str) if isinstance(dtype_str, str) else None
-        except (TypeError, ValueError):
-            dtype = None
-        if dtype is None or dtype.kind not in _SUPPORTED_KINDS or dtype.str != dtype_str:
+        storage_str = item.get("storage_dtype")
+        storage = _numpy_dtype(dtype_str if storage_str is None else storage_str)
+        if storage is None or storage.kind not in _SUPPORTED_KINDS:
             raise bad(f"{where}: unsupported dtype {dtype_str!r}")
+        if storage_str is None:
+            dtype = storage
+        elif version < _ML_DTYPES_VERSION:
+            raise bad(f"{where}: storage_dtype is not part of format version {version}")
+        elif storage.kind != "u" or not (
+            isinstance(dtype_str, str) and _ML_NAME_RE.fullmatch(dtype_str)
+        ):
+            raise bad(f"{where}: unsupported dtype {dtype_str!r} stored as {storage_str!r}")
+        else:
+            dtype = _ml_dtype_for_reading(dtype_str, path, where, bad)
+            if dtype.itemsize != storage.itemsize:
+                raise bad(f"{where}: {dtype_str} cannot be stored as {storage_str!r}")
         spec = ArraySpec(tuple(shape), dtype)
         if nbytes != spec.nbytes:
             raise bad(f"{where}: nbytes {nbytes!r} does not match {_fmt_spec(shape, dtype)}")
         if not isinstance(sha, str) or not _SHA256_RE.fullmatch(sha):
             raise bad(f"{where}: sha256 must be 64 lowercase hex digits, found {sha!r}")
-        entries[name] = _Entry(name, file, spec, sha)
+        entries[name] = _Entry(name, file, spec, sha, storage)
         files.add(file)
 
     manifest = Manifest(
@@ -467,6 +569,18 @@ def _load_manifest(ckpt_dir: Path) -> tuple[Manifest, dict[str, _Entry]]:
         format_version=version,
     )
     return manifest, entries
+
+
+def _numpy_dtype(text: object) -> np.dtype[Any] | None:
+    """The NumPy dtype whose ``.str`` is ``text`` (as the writer stores it), else None."""
+    if not isinstance(text, str):
+        return None
+    try:
+        dtype = np.dtype(text)
+    except (TypeError, ValueError):
+        return None
+    # isbuiltin 2: an extension dtype registered under this name, never written as one.
+    return dtype if dtype.str == text and dtype.isbuiltin != 2 else None
 
 
 def _is_int(x: object) -> TypeGuard[int]:
@@ -506,7 +620,7 @@ def _read_pointer(root: Path) -> str | None:
 def _write_pointer(root: Path, name: str) -> None:
     doc = {
         "format": _POINTER_FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": _BASE_VERSION,  # the pointer's layout is that of version 1
         "latest": name,
         "updated_unix": time.time(),
     }
@@ -679,23 +793,23 @@ def write_arrays(
         displaced: Path | None = None
         try:
             items: list[dict[str, object]] = []
-            for i, (var, arr) in enumerate(prepared):
+            for i, (var, arr, storage) in enumerate(prepared):
                 file = f"{i:06d}.npy"
-                sha = _write_array_file(tmp / file, var, arr)
-                items.append(
-                    {
-                        "name": var,
-                        "file": file,
-                        "shape": list(arr.shape),
-                        "dtype": arr.dtype.str,
-                        "nbytes": arr.nbytes,
-                        "sha256": sha,
-                    }
-                )
+                bits = arr if storage is None else arr.view(storage)
+                sha = _write_array_file(tmp / file, var, bits)
+                item: dict[str, object] = {"name": var, "file": file, "shape": list(arr.shape)}
+                if storage is None:
+                    item["dtype"] = arr.dtype.str
+                else:  # ml_dtypes: its name, and the dtype of the bits in the file
+                    item["dtype"] = arr.dtype.name
+                    item["storage_dtype"] = storage.str
+                item.update(nbytes=arr.nbytes, sha256=sha)
+                items.append(item)
                 _hook("array-written", var)
+            has_ml = any(storage is not None for _, _, storage in prepared)
             doc = {
                 "format": _MANIFEST_FORMAT,
-                "format_version": FORMAT_VERSION,
+                "format_version": _ML_DTYPES_VERSION if has_ml else _BASE_VERSION,
                 "step": step,
                 "created_unix": time.time(),
                 "metadata": meta,

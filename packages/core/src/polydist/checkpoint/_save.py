@@ -6,7 +6,9 @@ atomic: a crash leaves the previous checkpoint intact and the latest one.
 What is stored for each variable (TF's rules): a ``MirroredVariable`` its
 value (replica 0's copy); a ``SyncOnReadVariable`` its aggregated value (the
 SUM or MEAN of the copies, or replica 0's with ``ONLY_FIRST_REPLICA``;
-``aggregation=NONE`` cannot be saved); a plain variable its value. The stored
+``aggregation=NONE`` cannot be saved); a plain variable its value. Values
+are stored bit for bit, ml_dtypes' bfloat16 and float8_* included (by their
+bits, see :mod:`polydist.checkpoint._io`). The stored
 values do not depend on the number of replicas, so a checkpoint restores
 into a strategy with any replica count: a mirrored value goes to every copy,
 and a ``SUM`` ``SyncOnReadVariable`` gets ``value / N`` in each of its N
@@ -237,7 +239,17 @@ def _saved_value(var: Variable) -> np.ndarray:
         raise TypeError(f"checkpoint.save does not know how to save {type(var).__name__}.")
     else:
         array = var._read_storage()
-    return np.asarray(var._backend.to_numpy(array))
+    host = np.asarray(var._backend.to_numpy(array))
+    if dtype_name(host.dtype) != dtype_name(var.dtype):
+        # torch's to_numpy widens bfloat16/float8 to float32 without ml_dtypes: such a
+        # checkpoint would not restore into the variable (dtype mismatch).
+        raise TypeError(
+            f"checkpoint.save: {type(var).__name__} {var.name!r} has dtype "
+            f"{dtype_name(var.dtype)}, but its backend hands it to NumPy as "
+            f"{dtype_name(host.dtype)}, so it cannot be saved bit for bit; pip install "
+            "ml_dtypes (NumPy arrays of bfloat16 and float8_* need it)."
+        )
+    return host
 
 
 def _restored_copies(var: Variable, stored: np.ndarray) -> list[Any]:
