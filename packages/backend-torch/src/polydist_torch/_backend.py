@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from polydist._devices import DeviceSpec
-from polydist.backend import Capabilities, EagerReplicaRunner, convert_to_array
+from polydist.backend import Capabilities, EagerReplicaRunner
 from polydist_torch import _collectives, _low_precision
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._devices import (
@@ -152,24 +152,11 @@ class TorchBackend:
             # orders it before any later use of the result on the GPU's stream.
             pinned = target.type == "cuda" and value.device.type == "cpu" and value.is_pinned()
             return value.to(target, non_blocking=pinned)
-        array = np.asarray(convert_to_array(value))
-        # ml_dtypes' bfloat16 and float8_* (torch.from_numpy refuses them) go as their bits.
-        bits, low_precision = _low_precision.as_bits(array)
-        try:
-            if target.type == "cuda":
-                tensor = _to_cuda(bits, target)
-            else:
-                # A private C-ordered copy, as TF's convert_to_tensor makes (replicas may
-                # update it in place); it also takes read-only and negative-stride arrays.
-                tensor = torch.from_numpy(np.array(bits, order="C", copy=True))
-        except TypeError as e:
-            raise TypeError(
-                f"The torch backend cannot convert {type(value).__name__} of dtype "
-                f"{array.dtype} to a torch tensor: expected a torch.Tensor, a NumPy array of "
-                f"a dtype torch supports, or a Python number ({e})."
-                + _low_precision.unsupported_hint(array.dtype)
-            ) from None
-        return tensor if low_precision is None else tensor.view(low_precision)
+        if target.type == "cuda":
+            return _low_precision.from_host(value, "torch backend", lambda a: _to_cuda(a, target))
+        # A private C-ordered copy, as TF's convert_to_tensor makes (replicas may update
+        # it in place); it also takes read-only and negative-stride arrays.
+        return _low_precision.from_host(value, "torch backend", _host_copy)
 
     def to_numpy(self, value: Any) -> np.ndarray:
         if not isinstance(value, torch.Tensor):
@@ -232,6 +219,10 @@ class TorchBackend:
     def broadcast(self, value: Any, destinations: Sequence[str]) -> list[Any]:
         tensor = value if isinstance(value, torch.Tensor) else self.place(value, "/cpu:0")
         return _collectives.broadcast(tensor, destinations, self.reduction)
+
+
+def _host_copy(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(array, order="C", copy=True))
 
 
 def _to_cuda(array: np.ndarray, target: torch.device) -> torch.Tensor:

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["SHARED", "as_bits", "numpy_of", "torch_dtype_of", "unsupported_hint"]
+from polydist.backend import convert_to_array
+
+__all__ = ["SHARED", "as_bits", "from_host", "numpy_of", "torch_dtype_of", "unsupported_hint"]
 
 #: The dtypes torch and ml_dtypes both define, by their common name.
 SHARED = (
@@ -102,3 +105,21 @@ def unsupported_hint(dtype: np.dtype[Any]) -> str:
         f" torch takes these ml_dtypes dtypes: {shared}; cast {dtype.name} to one of them "
         "or to a NumPy dtype first (e.g. array.astype(np.float32))."
     )
+
+
+def from_host(value: Any, who: str, convert: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
+    """A host value (array-like or Python scalar, converted by TF's rules) as a tensor:
+    ``convert`` makes the tensor from the array, or from an ml_dtypes array's bits,
+    which are then viewed as the torch dtype. A dtype torch lacks raises a
+    ``TypeError`` naming ``who`` (the backend) and what to pass instead."""
+    array = np.asarray(convert_to_array(value))
+    bits, low_precision = as_bits(array)
+    try:
+        tensor = convert(bits)
+    except TypeError as e:
+        raise TypeError(
+            f"The {who} cannot convert {type(value).__name__} of dtype {array.dtype} to a "
+            "torch tensor: expected a torch.Tensor, a NumPy array of a dtype torch supports, "
+            f"or a Python number ({e})." + unsupported_hint(array.dtype)
+        ) from None
+    return tensor if low_precision is None else tensor.view(low_precision)

@@ -43,9 +43,10 @@ import torch
 from polydist import ReduceOp, ReplicaContext
 from polydist._devices import DeviceSpec
 from polydist._nest import flatten, unflatten
-from polydist.backend import Capabilities, convert_to_array
+from polydist.backend import Capabilities
 from polydist.tpu import LocalTPUSystem
 from polydist_torch import _low_precision
+from polydist_torch._backend import _host_copy
 from polydist_torch._devices import canonical_device
 
 if TYPE_CHECKING:
@@ -274,21 +275,7 @@ class XlaSpmdBackend:
         target = self._torch_device(device)
         if isinstance(value, torch.Tensor):
             return value.to(target)
-        array = np.asarray(convert_to_array(value))
-        # ml_dtypes' bfloat16 and float8_* (torch.from_numpy refuses them) go as their bits.
-        bits, low_precision = _low_precision.as_bits(array)
-        try:
-            tensor = torch.from_numpy(np.array(bits, order="C", copy=True))
-        except TypeError as e:
-            raise TypeError(
-                f"The torch-xla backend cannot convert {type(value).__name__} of dtype "
-                f"{array.dtype} to a torch tensor: expected a torch.Tensor, a NumPy array of "
-                f"a dtype torch supports, or a Python number ({e})."
-                + _low_precision.unsupported_hint(array.dtype)
-            ) from None
-        if low_precision is not None:
-            tensor = tensor.view(low_precision)
-        return tensor.to(target)
+        return _low_precision.from_host(value, "torch-xla backend", _host_copy).to(target)
 
     def to_numpy(self, value: Any) -> np.ndarray:
         if not isinstance(value, torch.Tensor):
