@@ -78,6 +78,20 @@ def stall(out: Path) -> None:
         os._exit(17)
 
 
+def _idle(cache: Any, address: int) -> None:
+    """Waits (up to 5 s) until the cache's block at ``address`` is idle: gloo's worker
+    thread drops its reference to a collective's tensor a moment after ``wait()``
+    returns, and until then the cache (rightly) takes a fresh block."""
+    from polydist_torch._host_all_reduce import _use_count
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        blocks = [b for size in cache._blocks.values() for b in size if b.data_ptr() == address]
+        if blocks and _use_count(blocks[0]) == 1:
+            return
+        time.sleep(0.001)
+
+
 def main(out: Path) -> None:
     import torch
 
@@ -117,6 +131,7 @@ def main(out: Path) -> None:
     x = tensor("ints")
     held = one.run(all_reduce(pd.ReduceOp.SUM), args=(x,))
     dropped_address = one.run(all_reduce(pd.ReduceOp.SUM), args=(x * 2,)).data_ptr()
+    _idle(backend._cache, dropped_address)
     again = one.run(all_reduce(pd.ReduceOp.SUM), args=(x * 3,))
     mean = one.run(all_reduce(pd.ReduceOp.MEAN), args=(x,))
     saved["one_sum"] = held.numpy()  # after the later runs: still the first sum
@@ -155,6 +170,8 @@ NEST = (
     ("int16", (6,)),
     ("complex64", (3,)),
     ("ints", (0,)),
+    ("ints", (20_000,)),  # 64 KiB or more: results on the pack's memory
+    ("ints", (17_000,)),
 )
 
 
@@ -197,18 +214,24 @@ def packed(rank: int, one: Any, two: Any, saved: dict[str, Any]) -> None:
         for i, result in enumerate(results):
             saved[f"{name}_{i}"] = result.numpy().copy()
         saved[f"{name}_own_tensors"] = np.asarray([r._base is None for r in results])
+        memory = [r.untyped_storage().data_ptr() for r in results]
+        saved[f"{name}_scalar_own_memory"] = np.asarray(memory[1] not in memory[:1] + memory[2:])
+        saved[f"{name}_big_share_memory"] = np.asarray(memory[8] == memory[9])
         results[0].add_(1)  # in place on one result: the others keep their values
         saved[f"{name}_after_add"] = results[3].numpy().copy()
     saved["packed_inputs_after"] = np.concatenate([t.numpy().ravel().real for t in nest])
     # batch_reduce_to packs too: onto each value's devices, and onto one device.
     values = [one.experimental_distribute_values_from_function(lambda c, t=t: t) for t in nest]
-    before = group.collectives
-    batched = one.extended.batch_reduce_to(
-        pd.ReduceOp.SUM, [(v, v) for v in values] + [(v, "/cpu:0") for v in values]
-    )
-    saved["batch_collectives"] = np.asarray(group.collectives - before)
-    for i, result in enumerate(batched):
-        saved[f"batch_{i}"] = one.experimental_local_results(result)[0].numpy().copy()
+    for name, pairs in (
+        ("batch", [(v, v) for v in values]),
+        ("batch_mixed", [(v, v) for v in values] + [(v, "/cpu:0") for v in values]),
+    ):
+        before = group.collectives
+        batched = one.extended.batch_reduce_to(pd.ReduceOp.SUM, pairs)
+        saved[f"{name}_collectives"] = np.asarray(group.collectives - before)
+        for i, result in enumerate(batched):
+            local = one.experimental_local_results(result)[0]
+            saved[f"{name}_{i}"] = local.numpy().copy()
     per_replica = two.experimental_distribute_values_from_function(
         lambda c: [torch.from_numpy(a) for a in nest_inputs(rank, c.replica_id_in_sync_group % 2)]
     )

@@ -167,8 +167,12 @@ def test_a_nest_all_reduced_in_packs_gives_each_arrays_sum(
             assert got.dtype == total.dtype and got.shape == total.shape, (i, got.dtype, got.shape)
             assert np.array_equal(got, total), f"worker {w}: array {i} of the nest"
         assert r[f"{name}_own_tensors"].all(), "a packed result is a view of the pack"
-        # One collective per dtype (5); packs of <= 64 bytes split float32's 4 arrays in 3.
-        assert int(r[f"{name}_collectives"]) == (5 if name == "packed" else 7)
+        # One collective per dtype (5); packs of <= 64 bytes split float32's 6 arrays in 4.
+        assert int(r[f"{name}_collectives"]) == (5 if name == "packed" else 8)
+        # A small result has memory of its own (keeping it keeps no pack alive); large
+        # ones in one pack share the pack's.
+        assert bool(r[f"{name}_scalar_own_memory"])
+        assert bool(r[f"{name}_big_share_memory"]) == (name == "packed")
         assert np.array_equal(r[f"{name}_after_add"], want[3]), "results share elements"
         inputs = np.concatenate([a.ravel().real for a in program.nest_inputs(w)])
         assert np.array_equal(r["packed_inputs_after"], inputs), "an input changed"
@@ -211,6 +215,11 @@ def test_batch_reduce_to_packs_per_destination(
     workers, results = run
     want = _nest_sum(workers)
     for r in results:
-        assert int(r["batch_collectives"]) == 2 * 5  # per destination, one per dtype
+        # Packed when every destination is on its value's devices (TF's rule), one
+        # collective per dtype; else one by one (the other destination: a device).
+        assert int(r["batch_collectives"]) == 5
+        assert int(r["batch_mixed_collectives"]) == 2 * len(want)
+        for i in range(len(want)):
+            assert np.array_equal(r[f"batch_{i}"], want[i]), i
         for i in range(2 * len(want)):
-            assert np.array_equal(r[f"batch_{i}"], want[i % len(want)]), i
+            assert np.array_equal(r[f"batch_mixed_{i}"], want[i % len(want)]), i

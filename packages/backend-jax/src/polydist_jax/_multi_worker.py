@@ -58,6 +58,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import operator
 import os
@@ -751,11 +752,10 @@ class JaxProcessBackend(JaxBackend):
                 shapes = [sums[i].shape for i in chosen]
                 flat = jnp.concatenate([sums[i].reshape(-1) for i in chosen])
                 total = self._cluster.psum(flat, parts=shapes)
-                offset = 0
-                for i, shape in zip(chosen, shapes, strict=True):
-                    n = math.prod(shape)
-                    results[i] = jax.device_put(total[offset : offset + n].reshape(shape), target)
-                    offset += n
+                ends = list(itertools.accumulate(math.prod(shape) for shape in shapes))
+                pieces = jnp.split(total, ends[:-1])
+                for i, shape, piece in zip(chosen, shapes, pieces, strict=True):
+                    results[i] = jax.device_put(piece.reshape(shape), target)
         return [[r, *self.broadcast(r, destinations[1:])] for r in results]
 
     def all_gather(

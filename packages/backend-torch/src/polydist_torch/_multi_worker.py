@@ -77,7 +77,7 @@ from polydist.cluster_resolver import ClusterResolver
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._backend import Reduction, TorchBackend, _tensors
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
-from polydist_torch._host_all_reduce import ResultCache
+from polydist_torch._host_all_reduce import CACHE_MIN_BYTES, ResultCache
 
 if TYPE_CHECKING:
     from polydist import StrategyExtended
@@ -635,11 +635,16 @@ class TorchProcessGroupBackend(TorchBackend):
         storage, offset = flat.untyped_storage(), 0
         results: list[torch.Tensor] = []
         for shape, n in zip(shapes, numels, strict=True):
-            # A tensor of its own on the buffer's memory: not a view, so autograd and
-            # in-place updates treat it as the fresh tensor a lone all_reduce returns.
-            own = torch.empty(0, dtype=dtype, device=device)
-            own.set_(storage, offset, shape, _contiguous_strides(shape))
-            results.append(own)
+            if n * dtype.itemsize < CACHE_MIN_BYTES:
+                # Small (a loss, a bias): its own memory, so that keeping it (a loss
+                # history) does not keep the whole pack alive.
+                results.append(flat[offset : offset + n].view(shape).clone())
+            else:
+                # A tensor of its own on the buffer's memory: not a view, so autograd and
+                # in-place updates treat it as the fresh tensor a lone all_reduce returns.
+                own = torch.empty(0, dtype=dtype, device=device)
+                own.set_(storage, offset, shape, _contiguous_strides(shape))
+                results.append(own)
             offset += n
         return results
 

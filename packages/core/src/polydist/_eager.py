@@ -495,8 +495,10 @@ class _Run:
         # Engines that check collectives across processes publish the op and call site.
         reduce_op = first.signature[0] if first.kind == "all_reduce" else None
         intent = collective_intent(reduce_op, lambda: first.source)
-        if first.kind == "all_reduce" and len(first.payload) > 1:
-            # A nest: the backend may pack its arrays into fewer collectives (TF packs).
+        batches = hasattr(backend, "batch_all_reduce")
+        if first.kind == "all_reduce" and len(first.payload) > 1 and batches:
+            # A nest, on a backend that packs its arrays into fewer collectives (as TF
+            # does): the trace still lists each array, with its share of the time.
             columns = [[leaves[i] for leaves in placed] for i in range(len(first.payload))]
             start = time.perf_counter() if timed else 0.0
             with intent:

@@ -450,46 +450,45 @@ class MultiProcessExtended(MultiWorkerExtended):
         return total
 
     def _batch_reduce_to(self, reduce_op: ReduceOp, pairs: list[tuple[Any, Any]]) -> list[Any]:
-        """Packs, as TF's collective all-reduce batches a ``batch_reduce_to``: the dense
-        per-replica values with the same destination devices go to the backend together
-        (`polydist.backend.batch_all_reduce`: one collective per pack on torch); the
-        other pairs reduce one by one, after them."""
+        """As TF's collective all-reduce: when every pair is a dense per-replica value and
+        a distributed destination on the same devices (a model's (gradient, variable)
+        pairs), the values go to the backend together (`polydist.backend.batch_all_reduce`:
+        one collective per pack on torch and JAX); otherwise they reduce one by one."""
         if self._num_workers == 1 or len(pairs) < 2:
             return super()._batch_reduce_to(reduce_op, pairs)
-        groups: dict[tuple[str, ...], list[int]] = {}
-        columns: dict[int, list[Any]] = {}
-        for i, (value, destinations) in enumerate(pairs):
+        columns: list[list[Any]] = []
+        devices: tuple[str, ...] | None = None
+        for value, destinations in pairs:
             value = _variables.read_for_reduce(value)
             if (
                 not isinstance(value, DistributedValues)
                 or isinstance(value, Mirrored)
+                or not isinstance(destinations, DistributedValues)
                 or len(value.values) != self._num_devices_per_worker
                 or any(isinstance(v, IndexedSlices) for v in value.values)
             ):
-                continue
+                return super()._batch_reduce_to(reduce_op, pairs)
+            here = _destination_devices(value)
+            if _destination_devices(destinations) != here or devices not in (None, here):
+                return super()._batch_reduce_to(reduce_op, pairs)  # TF: "not efficient"
+            devices = here
             components = [convert_to_array(v) for v in value.values]
             _check_same_shape(components, "reduce")
             check_summable(reduce_op, components)
-            columns[i] = self._place_components(components)
-            groups.setdefault(_destination_devices(destinations), []).append(i)
-        results: list[Any] = [None] * len(pairs)
+            columns.append(self._place_components(components))
+        assert devices is not None
         backend, n = self._backend, self._num_replicas_in_sync
-        bytes_per_pack = self._communication_options.bytes_per_pack
-        for dests, chosen in groups.items():
-            with collective_intent(reduce_op.value):
-                sums = batch_all_reduce(
-                    backend, [columns[i] for i in chosen], dests, bytes_per_pack
-                )
-            for i, reduced in zip(chosen, sums, strict=True):
-                self._record("all_reduce", reduce_op, columns[i][0])
-                if reduce_op is ReduceOp.MEAN:
-                    xp = backend.array_namespace()
-                    reduced = [mean_from_sum(xp, s, n) for s in reduced]
-                distributed = isinstance(pairs[i][1], DistributedValues)
-                results[i] = Mirrored(reduced) if distributed else reduced[0]
-        for i, (value, destinations) in enumerate(pairs):
-            if i not in columns:
-                results[i] = self._reduce_to(reduce_op, value, destinations)
+        with collective_intent(reduce_op.value):
+            sums = batch_all_reduce(
+                backend, columns, devices, self._communication_options.bytes_per_pack
+            )
+        results: list[Any] = []
+        for column, reduced in zip(columns, sums, strict=True):
+            self._record("all_reduce", reduce_op, column[0])
+            if reduce_op is ReduceOp.MEAN:
+                xp = backend.array_namespace()
+                reduced = [mean_from_sum(xp, s, n) for s in reduced]
+            results.append(Mirrored(reduced))
         return results
 
     def _reduce_host_value(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
