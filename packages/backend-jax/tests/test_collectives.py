@@ -286,3 +286,29 @@ def test_sum_order_follows_replica_order_not_device_ids(sim_backend: SimBackend)
         np.asarray(program(jax_strategy)[1]),
         np.asarray(program(pd.MirroredStrategy(3, backend=reversed_order))[1]),
     )
+
+
+def test_a_nest_is_packed_into_one_all_reduce_per_dtype(
+    jax_backend: JaxBackend, strategies: tuple[pd.Strategy, pd.Strategy]
+) -> None:
+    # XLA's CPU runtime runs each operand of an all-reduce as its own collective across
+    # processes, so the program packs a nest as TF does: one operand per dtype.
+    jax_strategy, sim_strategy = strategies
+    shapes = [(3, 4), (5,), (), (2, 0), (7,), (1, 1)]
+
+    def step() -> Any:
+        r = ctx().replica_id_in_sync_group
+        floats = [
+            (jnp.arange(int(np.prod(s)), dtype=jnp.float32) * (r + 1)).reshape(s) for s in shapes
+        ]
+        ints = [jnp.arange(4, dtype=jnp.int32) + r, jnp.full((2, 2), r, jnp.int32)]
+        return ctx().all_reduce(pd.ReduceOp.SUM, floats + ints)
+
+    program = jax_backend.lower(jax_strategy, step).as_text()
+    assert program.count("stablehlo.all_reduce") == 2, program
+    got = jax_strategy.experimental_local_results(jax_strategy.run(step))
+    want = sim_strategy.experimental_local_results(sim_strategy.run(step))
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert np.array_equal(np.asarray(a), np.asarray(b))

@@ -30,6 +30,7 @@ import collections
 import contextlib
 import hashlib
 import inspect
+import itertools
 import sys
 import threading
 import weakref
@@ -50,6 +51,7 @@ from polydist._reduce_op import ReduceOp
 from polydist._replica_context import ReplicaContext
 from polydist._values import DistributedValues, value_container
 from polydist._variables import DistributedVariable, Variable, storage_arrays, swap_storage
+from polydist.backend import pack_by_size
 from polydist_jax import _functional, _input
 from polydist_jax._devices import jax_device
 from polydist_jax._functional import TracedVariables, pick_local
@@ -386,6 +388,38 @@ _SPMD_NOTE = (
 # --------------------------------------------------------------------------- the channel
 
 
+def _packed_psum(arrays: list[Any], bytes_per_pack: int) -> list[Any]:
+    """The psum of each array over the replicas, packed as TF packs a nest: the arrays
+    of each dtype are concatenated into flat packs (`pack_by_size`), so that the program
+    holds one all-reduce operand per pack. (XLA's CPU runtime runs each operand of an
+    all-reduce as its own cross-process collective: 64 arrays took 6x longer than one
+    pack.) Weakly typed arrays keep their own operand, and so their weak type."""
+    groups: dict[Any, list[int]] = {}
+    for i, a in enumerate(arrays):
+        if not getattr(getattr(a, "aval", None), "weak_type", False):
+            groups.setdefault(a.dtype, []).append(i)
+    packs: list[list[int]] = []
+    for dtype, indices in groups.items():
+        sizes = [arrays[i].size * dtype.itemsize for i in indices]
+        packs += [[indices[k] for k in pack] for pack in pack_by_size(sizes, bytes_per_pack)]
+    packed = {i for pack in packs for i in pack}
+    packs += [[i] for i in range(len(arrays)) if i not in packed]
+    operands = [
+        arrays[p[0]] if len(p) == 1 else jnp.concatenate([arrays[i].reshape(-1) for i in p])
+        for p in packs
+    ]
+    sums = psum(operands, replica_axis())
+    out: list[Any] = [None] * len(arrays)
+    for pack, total in zip(packs, sums, strict=True):
+        if len(pack) == 1:
+            out[pack[0]] = total
+            continue
+        ends = list(itertools.accumulate(arrays[i].size for i in pack))
+        for i, piece in zip(pack, jnp.split(total, ends[:-1]), strict=True):
+            out[i] = piece.reshape(arrays[i].shape)
+    return out
+
+
 class SpmdChannel:
     """The ``ReplicaChannel`` inside a compiled run: collectives become XLA collectives."""
 
@@ -412,8 +446,8 @@ class SpmdChannel:
         arrays = [jnp.asarray(v) for v in values]
         for a in arrays:
             _record("all_reduce", reduce_op.value, a, self._devices)
-        # One psum of the whole nest: XLA combines it into one all-reduce.
-        return list(psum(arrays, replica_axis()))
+        options = getattr(self._strategy.extended, "_communication_options", None)
+        return _packed_psum(arrays, options.bytes_per_pack if options is not None else 0)
 
     def all_gather(self, values: Sequence[Any], axis: int) -> list[Any]:
         out = []
