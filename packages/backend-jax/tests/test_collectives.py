@@ -288,27 +288,34 @@ def test_sum_order_follows_replica_order_not_device_ids(sim_backend: SimBackend)
     )
 
 
-def test_a_nest_is_packed_into_one_all_reduce_per_dtype(
-    jax_backend: JaxBackend, strategies: tuple[pd.Strategy, pd.Strategy]
-) -> None:
+def test_across_processes_a_nest_is_packed_into_one_all_reduce_per_dtype() -> None:
     # XLA's CPU runtime runs each operand of an all-reduce as its own collective across
-    # processes, so the program packs a nest as TF does: one operand per dtype.
-    jax_strategy, sim_strategy = strategies
+    # processes, so a program whose replicas span processes packs a nest as TF does:
+    # one operand per dtype. Here a (workers, replicas) mesh of local devices stands in.
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from polydist_jax._lazy import AXIS, WORKERS, axes_scope
+    from polydist_jax._spmd import _packed_psum
+
     shapes = [(3, 4), (5,), (), (2, 0), (7,), (1, 1)]
+    floats = [np.arange(int(np.prod(s)), dtype=np.float32).reshape(s) for s in shapes]
+    ints = [np.arange(4, dtype=np.int32), np.full((2, 2), 3, np.int32)]
+    args = [jnp.asarray(a) for a in floats + ints]
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (WORKERS, AXIS))
 
-    def step() -> Any:
-        r = ctx().replica_id_in_sync_group
-        floats = [
-            (jnp.arange(int(np.prod(s)), dtype=jnp.float32) * (r + 1)).reshape(s) for s in shapes
-        ]
-        ints = [jnp.arange(4, dtype=jnp.int32) + r, jnp.full((2, 2), r, jnp.int32)]
-        return ctx().all_reduce(pd.ReduceOp.SUM, floats + ints)
+    def program(bytes_per_pack: int) -> Any:
+        def each(*xs: Any) -> Any:  # every replica holds the same arrays
+            with axes_scope((WORKERS, AXIS)):
+                return tuple(_packed_psum(list(xs), bytes_per_pack))
 
-    program = jax_backend.lower(jax_strategy, step).as_text()
-    assert program.count("stablehlo.all_reduce") == 2, program
-    got = jax_strategy.experimental_local_results(jax_strategy.run(step))
-    want = sim_strategy.experimental_local_results(sim_strategy.run(step))
-    for g, w in zip(got, want, strict=True):
-        for a, b in zip(g, w, strict=True):
-            assert a.shape == b.shape and a.dtype == b.dtype
-            assert np.array_equal(np.asarray(a), np.asarray(b))
+        return jax.jit(jax.shard_map(each, mesh=mesh, in_specs=P(), out_specs=P()))
+
+    assert program(0).lower(*args).as_text().count("stablehlo.all_reduce") == 2
+    for got, a in zip(program(0)(*args), floats + ints, strict=True):
+        assert got.shape == a.shape and got.dtype == a.dtype
+        assert np.array_equal(np.asarray(got), 4 * a)
+    # Packs of about 16 bytes (TF's group_by_size): float32's 6 arrays in 4, int32's in 1.
+    assert program(16).lower(*args).as_text().count("stablehlo.all_reduce") == 5
+    for got, a in zip(program(16)(*args), floats + ints, strict=True):
+        assert np.array_equal(np.asarray(got), 4 * a)
