@@ -593,7 +593,8 @@ class TorchProcessGroupBackend(TorchBackend):
                     continue
                 parts = self._packed([columns[i] for i in chosen], dtype, destinations[0])
                 for i, total in zip(chosen, parts, strict=True):
-                    results[i] = [total, *self._copies(total, destinations[1:])]
+                    more = self._copies(total, destinations[1:]) if len(destinations) > 1 else []
+                    results[i] = [total, *more]
         return results
 
     def _packed(
@@ -634,11 +635,12 @@ class TorchProcessGroupBackend(TorchBackend):
             self._group.all_reduce_(flat)
         storage, offset = flat.untyped_storage(), 0
         results: list[torch.Tensor] = []
-        for shape, n in zip(shapes, numels, strict=True):
+        pieces = torch.split_with_sizes(flat, numels)
+        for shape, n, piece in zip(shapes, numels, pieces, strict=True):
             if n * dtype.itemsize < CACHE_MIN_BYTES:
                 # Small (a loss, a bias): its own memory, so that keeping it (a loss
                 # history) does not keep the whole pack alive.
-                results.append(flat[offset : offset + n].view(shape).clone())
+                results.append(piece.view(shape).clone())
             else:
                 # A tensor of its own on the buffer's memory: not a view, so autograd and
                 # in-place updates treat it as the fresh tensor a lone all_reduce returns.
