@@ -14,7 +14,7 @@ tensor size (1, 4, 16, 64 MiB of float32) and engine, in one run:
 * **strategy**: ``strategy.run(lambda v: ctx.all_reduce(SUM, v), (v,))`` on
   ``polydist_torch`` / ``polydist_jax``'s ``MultiWorkerMirroredStrategy``.
 
-A second case all-reduces a **nest**: `NEST_SHAPES`, 64 arrays of 4.1 MiB in
+A second case all-reduces a **nest**: `NEST_SHAPES`, 64 arrays of 4.0 MiB in
 all, as a model's gradients (dense kernels and their biases), in one
 ``ctx.all_reduce``. Its baselines are the engine's collective once per array
 (torch: ``dist.all_reduce`` of a copy of each, as a hand-written loop does;
@@ -62,7 +62,7 @@ TARGET = 0.9
 WORKERS = 2
 REPEATS = 9
 CHECK_ENV = "POLYDIST_CHECK_COLLECTIVES"
-#: The nest case: 32 dense layers' (kernel, bias), 4.1 MiB of float32 in all.
+#: The nest case: 32 dense layers' (kernel, bias), 4.0 MiB of float32 in all.
 NEST_SHAPES = tuple(shape for _ in range(32) for shape in ((128, 256), (256,)))
 NEST_MIB = sum(int(np.prod(s)) for s in NEST_SHAPES) * 4 / 2**20
 
