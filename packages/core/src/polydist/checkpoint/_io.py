@@ -267,9 +267,9 @@ _SUPPORTED = (
 def _ml_float_bits(dtype: np.dtype[Any]) -> tuple[int | None, bool]:
     """(bits per element, is a float) of an ml_dtypes dtype; bits None for a dtype that
     is not ml_dtypes' or not a real number (complex32)."""
-    try:  # the array exists, so ml_dtypes (if it is its dtype) is already imported
-        ml = importlib.import_module("ml_dtypes")
-    except ImportError:
+    # An ml_dtypes dtype exists only once ml_dtypes is imported: never import it here.
+    ml = sys.modules.get("ml_dtypes")
+    if ml is None:
         return None, False
     if not _ML_NAME_RE.fullmatch(dtype.name) or getattr(ml, dtype.name, None) is None:
         return None, False
