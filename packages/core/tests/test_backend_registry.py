@@ -133,3 +133,16 @@ def test_batch_all_reduce_uses_the_backends_method_for_several_arrays() -> None:
     assert batching.packs == [] and batching.calls == ["all_reduce"]  # one array: as is
     with pytest.raises(RuntimeError, match="batch_all_reduce returned 1 results for 2 columns"):
         batch_all_reduce(_Batching(results=1), columns, ["/cpu:0"], 0)  # type: ignore[arg-type]
+
+
+def test_pack_by_dtype_packs_each_dtype_in_order_of_first_appearance() -> None:
+    from polydist.backend import pack_by_dtype
+
+    dtypes = ["f4", "i4", "f4", None, "i4", "f4"]
+    sizes = [4, 8, 4, 4, 8, 100]
+    assert pack_by_dtype(dtypes, sizes, 0) == [[0, 2, 5], [1, 4], [3]]
+    # Within a dtype, TF's group_by_size: a new pack once the last holds more than 6 bytes.
+    assert pack_by_dtype(dtypes, sizes, 6) == [[0, 2], [5], [1], [4], [3]]
+    assert pack_by_dtype([], [], 0) == []
+    with pytest.raises(ValueError, match="got 2 dtypes and 1 sizes; pass one of each"):
+        pack_by_dtype(["f4", "f4"], [4], 0)

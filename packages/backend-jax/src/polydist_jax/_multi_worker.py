@@ -80,7 +80,7 @@ from polydist._cluster import id_in_cluster, worker_count
 from polydist._communication import CommunicationOptions
 from polydist._devices import DeviceSpec
 from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS, MultiProcessMirroredStrategy
-from polydist.backend import pack_by_size
+from polydist.backend import pack_by_dtype
 from polydist.cluster_resolver import ClusterResolver
 from polydist_jax._backend import JaxBackend
 from polydist_jax._eager_grad import DifferentiableChannel
@@ -524,6 +524,14 @@ class _Cluster(mp.ClusterMembership):
 # --------------------------------------------------------------------------- the backend
 
 
+def _local_total(values: Sequence[Any], target: jax.Device) -> Any:
+    """This worker's replicas' sum on ``target``, in replica order."""
+    total = jax.device_put(values[0], target)
+    for v in values[1:]:
+        total = _add_jit(total, jax.device_put(v, target))
+    return total
+
+
 def _add(x: Any, y: Any) -> Any:
     return x + y
 
@@ -709,9 +717,7 @@ class JaxProcessBackend(JaxBackend):
         if any(is_tracer(v) for v in values):
             return self._traced_sum(values)
         target = self._jax_device(destination)
-        total = jax.device_put(values[0], target)
-        for v in values[1:]:
-            total = _add_jit(total, jax.device_put(v, target))
+        total = _local_total(values, target)
         if not self.connected:
             return total if len(values) > 1 else jnp.array(total, copy=True)
         assert self._cluster is not None
@@ -731,31 +737,19 @@ class JaxProcessBackend(JaxBackend):
             return [self.all_reduce(column, destinations) for column in columns]
         assert self._cluster is not None
         target = self._jax_device(destinations[0])
-        sums = []
-        for column in columns:
-            total = jax.device_put(column[0], target)
-            for v in column[1:]:
-                total = _add_jit(total, jax.device_put(v, target))
-            sums.append(total)
-        by_dtype: dict[Any, list[int]] = {}
-        for i, total in enumerate(sums):
-            by_dtype.setdefault(total.dtype, []).append(i)
+        sums = [_local_total(column, target) for column in columns]
+        sizes = [s.size * s.dtype.itemsize for s in sums]
         results: list[Any] = [None] * len(columns)
-        for dtype, indices in by_dtype.items():
-            sizes = [sums[i].size * dtype.itemsize for i in indices]
-            for pack in pack_by_size(sizes, bytes_per_pack):
-                chosen = [indices[k] for k in pack]
-                if len(chosen) == 1:
-                    i = chosen[0]
-                    results[i] = jax.device_put(self._cluster.psum(sums[i]), target)
-                    continue
-                shapes = [sums[i].shape for i in chosen]
-                flat = jnp.concatenate([sums[i].reshape(-1) for i in chosen])
-                total = self._cluster.psum(flat, parts=shapes)
-                ends = list(itertools.accumulate(math.prod(shape) for shape in shapes))
-                pieces = jnp.split(total, ends[:-1])
-                for i, shape, piece in zip(chosen, shapes, pieces, strict=True):
-                    results[i] = jax.device_put(piece.reshape(shape), target)
+        for pack in pack_by_dtype([s.dtype for s in sums], sizes, bytes_per_pack):
+            if len(pack) == 1:
+                results[pack[0]] = jax.device_put(self._cluster.psum(sums[pack[0]]), target)
+                continue
+            shapes = [sums[i].shape for i in pack]
+            flat = jnp.concatenate([sums[i].reshape(-1) for i in pack])
+            total = self._cluster.psum(flat, parts=shapes)
+            ends = list(itertools.accumulate(math.prod(shape) for shape in shapes))
+            for i, shape, piece in zip(pack, shapes, jnp.split(total, ends[:-1]), strict=True):
+                results[i] = jax.device_put(piece.reshape(shape), target)
         return [[r, *self.broadcast(r, destinations[1:])] for r in results]
 
     def all_gather(

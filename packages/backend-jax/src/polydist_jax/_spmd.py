@@ -51,7 +51,7 @@ from polydist._reduce_op import ReduceOp
 from polydist._replica_context import ReplicaContext
 from polydist._values import DistributedValues, value_container
 from polydist._variables import DistributedVariable, Variable, storage_arrays, swap_storage
-from polydist.backend import pack_by_size
+from polydist.backend import pack_by_dtype
 from polydist_jax import _functional, _input
 from polydist_jax._devices import jax_device
 from polydist_jax._functional import TracedVariables, pick_local
@@ -395,16 +395,10 @@ def _packed_psum(arrays: list[Any], bytes_per_pack: int) -> list[Any]:
     so that the program holds one all-reduce operand per pack. (XLA's CPU runtime runs
     each operand of an all-reduce as its own cross-process collective: 64 arrays took 6x
     longer than one pack.) Weakly typed arrays keep their own operand, and their type."""
-    groups: dict[Any, list[int]] = {}
-    for i, a in enumerate(arrays):
-        if not getattr(getattr(a, "aval", None), "weak_type", False):
-            groups.setdefault(a.dtype, []).append(i)
-    packs: list[list[int]] = []
-    for dtype, indices in groups.items():
-        sizes = [arrays[i].size * dtype.itemsize for i in indices]
-        packs += [[indices[k] for k in pack] for pack in pack_by_size(sizes, bytes_per_pack)]
-    packed = {i for pack in packs for i in pack}
-    packs += [[i] for i in range(len(arrays)) if i not in packed]
+    weak = [bool(getattr(getattr(a, "aval", None), "weak_type", False)) for a in arrays]
+    dtypes = [None if w else a.dtype for a, w in zip(arrays, weak, strict=True)]
+    sizes = [a.size * a.dtype.itemsize for a in arrays]
+    packs = pack_by_dtype(dtypes, sizes, bytes_per_pack)
     operands = [
         arrays[p[0]] if len(p) == 1 else jnp.concatenate([arrays[i].reshape(-1) for i in p])
         for p in packs

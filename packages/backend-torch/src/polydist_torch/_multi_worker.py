@@ -72,12 +72,12 @@ from polydist._multi_process import (
     MultiProcessMirroredStrategy,
     describe_workers,
 )
-from polydist.backend import pack_by_size
+from polydist.backend import pack_by_dtype
 from polydist.cluster_resolver import ClusterResolver
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._backend import Reduction, TorchBackend, _tensors
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
-from polydist_torch._host_all_reduce import CACHE_MIN_BYTES, ResultCache
+from polydist_torch._host_all_reduce import CACHE_MIN_BYTES, ResultCache, contiguous_strides
 
 if TYPE_CHECKING:
     from polydist import StrategyExtended
@@ -366,15 +366,6 @@ _MOVE_AS = {
 }
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides: list[int] = []
-    step = 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(int(dim), 1)
-    return tuple(reversed(strides))
-
-
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """A view gloo can move (the same bytes): complex as real pairs, other dtypes gloo
     refuses as a dtype of the same size (`_MOVE_AS`)."""
@@ -580,21 +571,18 @@ class TorchProcessGroupBackend(TorchBackend):
         of their own (not views) on the buffer's memory."""
         if not self.connected:
             return [self.all_reduce(column, destinations) for column in columns]
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, column in enumerate(columns):
-            by_dtype.setdefault(_tensors(column)[0].dtype, []).append(i)
+        firsts = [_tensors(column)[0] for column in columns]
+        sizes = [t.numel() * t.dtype.itemsize for t in firsts]
         results: list[list[Any]] = [[] for _ in columns]
-        for dtype, indices in by_dtype.items():
-            sizes = [columns[i][0].numel() * dtype.itemsize for i in indices]
-            for pack in pack_by_size(sizes, bytes_per_pack):
-                chosen = [indices[k] for k in pack]
-                if len(chosen) == 1:
-                    results[chosen[0]] = self.all_reduce(columns[chosen[0]], destinations)
-                    continue
-                parts = self._packed([columns[i] for i in chosen], dtype, destinations[0])
-                for i, total in zip(chosen, parts, strict=True):
-                    more = self._copies(total, destinations[1:]) if len(destinations) > 1 else []
-                    results[i] = [total, *more]
+        for pack in pack_by_dtype([t.dtype for t in firsts], sizes, bytes_per_pack):
+            if len(pack) == 1:
+                results[pack[0]] = self.all_reduce(columns[pack[0]], destinations)
+                continue
+            dtype = firsts[pack[0]].dtype
+            parts = self._packed([columns[i] for i in pack], dtype, destinations[0])
+            for i, total in zip(pack, parts, strict=True):
+                more = self._copies(total, destinations[1:]) if len(destinations) > 1 else []
+                results[i] = [total, *more]
         return results
 
     def _packed(
@@ -645,7 +633,7 @@ class TorchProcessGroupBackend(TorchBackend):
                 # A tensor of its own on the buffer's memory: not a view, so autograd and
                 # in-place updates treat it as the fresh tensor a lone all_reduce returns.
                 own = torch.empty(0, dtype=dtype, device=device)
-                own.set_(storage, offset, shape, _contiguous_strides(shape))
+                own.set_(storage, offset, shape, contiguous_strides(shape))
                 results.append(own)
             offset += n
         return results

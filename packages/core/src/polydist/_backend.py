@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -359,6 +359,28 @@ def pack_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
             last = 0
         packs[-1].append(i)
         last += size
+    return packs
+
+
+def pack_by_dtype(
+    dtypes: Sequence[Hashable], nbytes: Sequence[int], bytes_per_pack: int
+) -> list[list[int]]:
+    """The packs a nest's arrays cross the workers in, as TF packs them: the indices of
+    each dtype (in order of first appearance), split by `pack_by_size`. An array whose
+    dtype is given as ``None`` is never packed (a pack of its own, where it stands).
+    Every worker with the same nest gets the same packs, in the same order."""
+    if len(dtypes) != len(nbytes):
+        raise ValueError(
+            f"pack_by_dtype got {len(dtypes)} dtypes and {len(nbytes)} sizes; pass one of "
+            "each per array."
+        )
+    groups: dict[Hashable, list[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        groups.setdefault(("alone", i) if dtype is None else dtype, []).append(i)
+    packs: list[list[int]] = []
+    for indices in groups.values():
+        sizes = [nbytes[i] for i in indices]
+        packs += [[indices[k] for k in pack] for pack in pack_by_size(sizes, bytes_per_pack)]
     return packs
 
 

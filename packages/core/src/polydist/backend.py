@@ -19,6 +19,7 @@ from polydist._backend import batch_all_reduce as batch_all_reduce
 from polydist._backend import get_backend as get_backend
 from polydist._backend import is_symbolic as is_symbolic
 from polydist._backend import local_tpu_system as local_tpu_system
+from polydist._backend import pack_by_dtype as pack_by_dtype
 from polydist._backend import pack_by_size as pack_by_size
 from polydist._eager import EagerReplicaRunner as EagerReplicaRunner
 from polydist._eager import busy_workers as busy_workers
@@ -39,5 +40,6 @@ __all__ = [
     "is_symbolic",
     "local_tpu_system",
     "mean_from_sum",
+    "pack_by_dtype",
     "pack_by_size",
 ]
