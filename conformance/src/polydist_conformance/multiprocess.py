@@ -243,7 +243,7 @@ def program(strategy: pd.Strategy, steps: int = 3) -> dict[str, list[np.ndarray]
     return {**collectives(strategy), **sgd(strategy, steps)}
 
 
-MISMATCH_CASES = ("op", "shape", "reduce_op", "extra", "early_exit")
+MISMATCH_CASES = ("op", "shape", "reduce_op", "extra", "early_exit", "run_or_gather")
 
 
 def mismatch_site(marker: str) -> str:
@@ -272,6 +272,9 @@ def mismatch(strategy: pd.Strategy, case: str, rank: int) -> None:
     def sums_ones(size: int) -> Any:
         return _ctx().all_reduce(pd.ReduceOp.SUM, np.ones(size, np.float32))  # mismatch: shape
 
+    def sums_again(v: Any) -> Any:
+        return _ctx().all_reduce(pd.ReduceOp.SUM, v)  # mismatch: run_or_gather (worker 0)
+
     strategy.run(lambda v: _ctx().all_reduce(pd.ReduceOp.SUM, v), args=(values,))
     if case == "op":
         strategy.run(sums if rank == 0 else gathers, args=(values,))
@@ -287,6 +290,11 @@ def mismatch(strategy: pd.Strategy, case: str, rank: int) -> None:
     elif case == "early_exit":
         if rank == 0:
             strategy.reduce(pd.ReduceOp.SUM, values, axis=None)  # mismatch: early_exit (worker 0)
+    elif case == "run_or_gather":
+        if rank == 0:
+            strategy.run(sums_again, args=(values,))  # mismatch: run_or_gather (run)
+        else:
+            strategy.gather(values, axis=0)  # mismatch: run_or_gather (worker 1)
     else:
         raise ValueError(f"unknown mismatch case {case!r}; expected one of {MISMATCH_CASES}")
 

@@ -276,6 +276,11 @@ MISMATCHES = {
         f"all_reduce(SUM) of float32[3] at {_line('extra (worker 0)')} in mismatch",
         f"all_gather(axis=0) of float32[*] at {_line('extra (worker 1)')} in mismatch",
     ),
+    # Eager engines (each collective checked); a compiled step is one collective instead.
+    "run_or_gather": (
+        f"all_reduce(SUM) of float32[3] at {_line('run_or_gather (worker 0)')} in sums_again",
+        f"all_gather(axis=0) of float32[*] at {_line('run_or_gather (worker 1)')} in mismatch",
+    ),
 }
 
 

@@ -214,6 +214,40 @@ def test_a_late_call_ends_the_process_even_after_an_older_call_disarms() -> None
     assert "older" not in child.stderr and child.stdout == ""
 
 
+def test_a_probe_that_finds_the_call_cannot_complete_ends_the_process_at_once() -> None:
+    child = _run_watchdog_child(
+        """
+        import time
+        probed = []
+        def probe():
+            probed.append(time.monotonic())
+            return "a peer is at another collective" if len(probed) == 2 else None
+        start = time.monotonic()
+        watchdog.arm(60, lambda: "late", probe)
+        time.sleep(20)  # the probe's second look ends it long before
+        print("not ended")
+        """
+    )
+    assert child.returncode == WATCHDOG_EXIT_CODE, child.stderr[-3000:]
+    assert "polydist: a peer is at another collective\n" in child.stderr
+    assert "late" not in child.stderr and child.stdout == ""
+
+
+def test_a_probe_stops_when_its_call_returns() -> None:
+    child = _run_watchdog_child(
+        """
+        import time
+        probed = []
+        armed = watchdog.arm(60, lambda: "late", lambda: probed.append(1) or "stop")
+        watchdog.disarm(armed)  # the call returned before the first probe
+        time.sleep(1)
+        print(len(probed))
+        """
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout == "0\n"
+
+
 def test_a_worker_that_ended_is_named_by_the_one_still_calling(tmp_path: Path) -> None:
     """Worker 1 ends after one collective; worker 0 (the coordination service's host)
     calls another and names worker 1 as gone. JAX then aborts worker 1's exit when worker
@@ -291,3 +325,29 @@ def test_initialize_needs_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="needs the coordinator address"):
         initialize()
+
+
+def test_a_compiled_step_against_a_gather_is_a_mismatch_on_both(tmp_path: Path) -> None:
+    """Worker 0's compiled step exchanges the program's digest in an XLA collective, not
+    through the store; worker 1 is at a store-checked gather instead. Worker 1 raises
+    CollectiveMismatchError naming the step's line; worker 0's gather cannot complete, so
+    its watchdog, probing the store, ends it at once with the same diagnosis (not after
+    the 300 s timeout)."""
+    args = ("mismatch", "--case", "run_or_gather", "--timeout", mpt.MISMATCH_TIMEOUT)
+    codes = ENGINE.run(tmp_path, *args, timeout=60)
+    # Worker 1's exit may meet JAX's abort once worker 0 (the coordinator) is gone.
+    assert codes[0] == WATCHDOG_EXIT_CODE and codes[1] in (17, -signal.SIGABRT), codes
+    step = f"strategy.run at {multiprocess.mismatch_site('run_or_gather (run)')} in mismatch"
+    gather = multiprocess.mismatch_site("run_or_gather (worker 1)")
+    gather = f"all_gather(axis=0) of float32[*] at {gather} in mismatch"
+    error = mpt.error(tmp_path, 1)
+    assert error["type"] == "CollectiveMismatchError", error
+    message = error["message"]
+    assert message.startswith("Workers disagree on their collective #2;"), message
+    assert "  worker 0 (/job:worker/replica:0/task:0 at 127.0.0.1:" in message
+    assert f"): {step}\n" in message, message
+    assert f"): {gather}\n" in message, message
+    said = mpt.stderr(tmp_path, 0)
+    assert "polydist: CollectiveMismatchError: Workers disagree on their collective #2: " in said
+    assert f"is at a compiled {step}, worker 1 (/job:worker/replica:0/task:1 at " in said, said
+    assert f"is at {gather.removesuffix(' in mismatch').rsplit(' at ', 1)[0]} instead" in said

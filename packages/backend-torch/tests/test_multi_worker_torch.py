@@ -203,3 +203,8 @@ def test_bad_rendezvous_address() -> None:
     assert _split_address("[::1]:80") == ("::1", 80)
     with pytest.raises(ValueError, match="must be 'host:port'"):
         _split_address("localhost")
+
+
+def test_a_step_against_a_gather_raises_collective_mismatch_on_both(tmp_path: Path) -> None:
+    """Worker 0 runs a step (its all_reduce is checked), worker 1 gathers: both raise."""
+    mpt.check_mismatch(ENGINE, tmp_path, "run_or_gather", TestMultiWorker.mismatch_at)

@@ -453,3 +453,70 @@ def test_a_long_pack_is_named_by_its_first_shapes_and_a_digest_of_all() -> None:
         assert "all_reduce of 100 float32 arrays packed: [0,3] [1,3] [2,3]" in line
         assert " ... (all shapes: digest " in line
     assert lines[0].split("digest ")[1][:16] != lines[1].split("digest ")[1][:16]
+
+
+# -- collectives the engine compares itself (announce / settled / publish_late / peek) ------
+
+
+def test_an_announced_collective_is_numbered_but_writes_nothing() -> None:
+    """A compiled JAX step: its digest travels in an engine collective, not the store."""
+    store = MemoryStore()
+    w0, w1 = _checker(store, 0), _checker(store, 1)
+    for c in (w0, w1):
+        c._enabled = True  # as after the first collective
+    pending = w0.announce("strategy.run")
+    assert pending is not None and pending.n == 1 and w0.seq == 1
+    assert not [k for k in store.data if k.startswith("cc/1/")]
+    w0.settled(pending)
+    assert w0._passed == 1
+    # The next collective is #2 on both workers: the numbering stays aligned.
+    assert w1.announce("strategy.run") is not None
+    raised = _together(
+        lambda: _check(w0, "all_reduce", np.dtype(np.float32), (3,)),
+        lambda: _check(w1, "all_reduce", np.dtype(np.float32), (3,)),
+    )
+    assert raised == [None, None]
+    assert "cc/2/0" in store.data and "cc/2/1" in store.data
+
+
+def test_an_announced_collective_published_late_is_a_peer_s_mismatch() -> None:
+    store = MemoryStore()
+    w0, w1 = _checker(store, 0), _checker(store, 1)
+    for c in (w0, w1):
+        c._enabled = True
+    pending = w0.announce("strategy.run")
+    assert pending is not None
+    assert w0.peek(pending) == {}  # worker 1 has not published collective #1 yet
+    done: list[BaseException | None] = []
+
+    def gather() -> None:
+        try:
+            _check(w1, "all_gather", np.dtype(np.float32), (3,), axis=0)
+        except BaseException as e:
+            done.append(e)
+
+    thread = threading.Thread(target=gather)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while "cc/1/1" not in store.data and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w0.peek(pending) == {1: "all_gather(axis=0) of float32[*]"}
+    w0.publish_late(pending)
+    w0.report_site(pending, "train.py:7 in main", [1])
+    thread.join(20)
+    assert len(done) == 1 and isinstance(done[0], CollectiveMismatchError), done
+    message = str(done[0])
+    assert message.startswith("Workers disagree on their collective #1;"), message
+    assert "  worker 0 (/job:worker/replica:0/task:0 at 10.0.0.1:2222): strategy.run at " in message
+    assert "strategy.run at train.py:7 in main\n" in message, message
+    assert store.data["cc/1/seen/1"] == "1"  # worker 0 lingered until worker 1 had read it
+
+
+def test_announce_with_checks_off_returns_none() -> None:
+    store = MemoryStore()
+    w0 = _checker(store, 0, enabled=False)
+    assert w0.announce("strategy.run") is None
+    assert w0.seq == 1
+    w0.settled(None)
+    w0.publish_late(None)
+    assert w0.peek(None) == {}

@@ -23,6 +23,12 @@ reply) and one blocking store read per collective, a round trip to worker
 0's store (see docs/multi-host.md). `CollectiveChecker.confirm` does the
 waiting, so that the caller's own work between the two (torch copies the
 input) overlaps the round trip.
+An engine may compare a collective in an exchange of its own that is cheaper
+than the round trip (JAX's compiled step: an XLA all-gather of the program's
+digest): `CollectiveChecker.announce` numbers it without a store write,
+`CollectiveChecker.settled` ends it, and only if the exchange waits does the
+engine `publish_late` the signature and `peek` at the peers', so that a peer at
+another collective raises the mismatch.
 ``$POLYDIST_CHECK_COLLECTIVES=0`` (a polydist extension) turns the check
 off; every worker publishes its setting when it joins, and the check runs
 only when all workers have it on.
@@ -238,6 +244,11 @@ class CollectiveChecker:
         """Whether collectives are checked; ``None`` until the workers' settings are known."""
         return self._enabled
 
+    def _learn_mode(self) -> None:
+        if self._enabled is None:
+            modes = self._wait([f"cc/mode/{r}" for r in self._others], "their first collective")
+            self._enabled = all(m == "1" for m in modes)  # the same answer on every worker
+
     def publish(
         self,
         op: str,
@@ -255,9 +266,7 @@ class CollectiveChecker:
         is issued. ``payload`` (one line, not compared) travels with the signature.
         ``parts``: the shapes of the arrays packed into this collective (``shape`` is
         then the pack's), compared too."""
-        if self._enabled is None:
-            modes = self._wait([f"cc/mode/{r}" for r in self._others], "their first collective")
-            self._enabled = all(m == "1" for m in modes)  # the same answer on every worker
+        self._learn_mode()
         self.seq += 1
         if not self._enabled:
             return None
@@ -288,6 +297,52 @@ class CollectiveChecker:
         payloads = [t.partition("\n")[2] for t in theirs]
         payloads.insert(self._rank, pending.payload)
         return payloads
+
+    def announce(self, op: str, payload: str = "") -> Pending | None:
+        """Numbers collective ``op`` like `publish`, but writes nothing yet: the engine
+        compares the workers' digests of it in a collective of its own (cheaper than the
+        store's round trip), then calls `settled`. If that exchange does not complete
+        promptly, `publish_late` writes the signature, so that a peer at another,
+        store-checked collective (waiting in `confirm`) raises the mismatch."""
+        self._learn_mode()
+        self.seq += 1
+        if not self._enabled:
+            return None
+        return Pending(self.seq, _signature(op, None, (), None), payload, None)
+
+    def publish_late(self, pending: Pending | None) -> None:
+        """Writes `announce`'s signature ``pending`` (any thread; once is enough)."""
+        if pending is not None:
+            value = f"{pending.signature}\n{pending.payload}"
+            self._store.set(f"cc/{pending.n}/{self._rank}", value)
+
+    def settled(self, pending: Pending | None) -> None:
+        """Every worker reached `announce`'s collective ``pending`` and the engine found
+        that they agree: no store read."""
+        if pending is not None:
+            self._passed = max(self._passed, pending.n)
+
+    def peek(self, pending: Pending | None) -> dict[int, str]:
+        """The other workers' signatures of ``pending``'s collective that differ from this
+        worker's, read without waiting (for a diagnosis, while the engine's own exchange
+        of ``pending`` does not complete): worker -> what it is at."""
+        if pending is None:
+            return {}
+        found = {}
+        for r in self._others:
+            got = self._store.get_all([f"cc/{pending.n}/{r}"], 0.001)
+            if got is not None and got[0].partition("\n")[0] != pending.signature:
+                found[r] = self._describe(got[0], None).removesuffix(
+                    " at (its call site did not arrive)"
+                )
+        return found
+
+    def report_site(self, pending: Pending, site: str, readers: Sequence[int]) -> None:
+        """After `peek` found ``readers`` at another collective than `announce`'s
+        ``pending`` (they raise the mismatch): publishes this worker's call site of it for
+        their messages, and lingers as `_call_sites` does."""
+        self._store.set(f"cc/{pending.n}/where/{self._rank}", site)
+        self._linger(pending.n, readers)
 
     def _call_sites(self, n: int, calls: dict[int, str]) -> dict[int, str]:
         """After mismatch ``n``, which every worker saw: each publishes the user's line of

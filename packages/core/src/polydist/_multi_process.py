@@ -62,6 +62,7 @@ from polydist._backend import (
 from polydist._cluster import InReplicaContext
 from polydist._collective_check import (
     CollectiveChecker,
+    Pending,
     SignatureStore,
     checks_enabled,
     collective_intent,
@@ -896,6 +897,35 @@ class ClusterMembership:
             raise self.failed(op, e) from e
         finally:
             self.entering = False
+
+    def announce(self, op: str, payload: str = "") -> Pending | None:
+        """For an engine that compares the workers' digests of collective ``op`` in a
+        collective of its own (cheaper than the store's round trip): numbers ``op`` as the
+        check does, without a store round trip (`CollectiveChecker.announce`). `settle`
+        follows once that exchange completed; `publish_late` meanwhile, if it is slow.
+        ``None``: no check."""
+        if self.checker is None or self.failure is not None:
+            return None
+        try:
+            return self.checker.announce(op, payload)
+        except self.engine_errors as e:
+            self.collectives += 1
+            raise self.failed(op, e) from e
+
+    def publish_late(self, pending: Pending | None) -> None:
+        """`announce`'s signature, written after all, so that a peer at another collective
+        raises ``CollectiveMismatchError`` (safe from another thread; errors are dropped:
+        the engine's own wait reports a gone store)."""
+        if self.checker is not None:
+            try:
+                self.checker.publish_late(pending)
+            except Exception:
+                pass
+
+    def settle(self, pending: Pending | None) -> None:
+        """`announce`'s collective completed on every worker (`CollectiveChecker.settled`)."""
+        if self.checker is not None:
+            self.checker.settled(pending)
 
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, collective ``what``; an engine error in it fails the cluster (`failed`),
