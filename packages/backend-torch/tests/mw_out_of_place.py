@@ -217,6 +217,8 @@ def packed(rank: int, one: Any, two: Any, saved: dict[str, Any]) -> None:
         memory = [r.untyped_storage().data_ptr() for r in results]
         saved[f"{name}_scalar_own_memory"] = np.asarray(memory[1] not in memory[:1] + memory[2:])
         saved[f"{name}_big_share_memory"] = np.asarray(memory[8] == memory[9])
+        tail = memory[0] == memory[3] and memory[0] not in (memory[8], memory[1])
+        saved[f"{name}_small_share_a_tail"] = np.asarray(tail)
         results[0].add_(1)  # in place on one result: the others keep their values
         saved[f"{name}_after_add"] = results[3].numpy().copy()
     saved["packed_inputs_after"] = np.concatenate([t.numpy().ravel().real for t in nest])

@@ -169,9 +169,11 @@ def test_a_nest_all_reduced_in_packs_gives_each_arrays_sum(
         assert r[f"{name}_own_tensors"].all(), "a packed result is a view of the pack"
         # One collective per dtype (5); packs of <= 64 bytes split float32's 6 arrays in 4.
         assert int(r[f"{name}_collectives"]) == (5 if name == "packed" else 8)
-        # A small result has memory of its own (keeping it keeps no pack alive); large
-        # ones in one pack share the pack's.
+        # A one-element result has memory of its own (keeping it keeps no pack alive),
+        # other small ones share one copy of the pack's tail; large ones in one pack
+        # share the pack's.
         assert bool(r[f"{name}_scalar_own_memory"])
+        assert bool(r[f"{name}_small_share_a_tail"]) == (name == "packed")
         assert bool(r[f"{name}_big_share_memory"]) == (name == "packed")
         assert np.array_equal(r[f"{name}_after_add"], want[3]), "results share elements"
         inputs = np.concatenate([a.ravel().real for a in program.nest_inputs(w)])

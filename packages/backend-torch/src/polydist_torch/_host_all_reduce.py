@@ -15,11 +15,10 @@ GPUs (the CPU allocator has no cache).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CACHE_MIN_BYTES", "ResultCache", "contiguous_strides"]
+__all__ = ["CACHE_MIN_BYTES", "ResultCache"]
 
 #: Results smaller than this are allocated as usual: small blocks come from the
 #: allocator's heap without page faults.
@@ -36,16 +35,6 @@ def _use_count(storage: torch.UntypedStorage) -> int:
     assert _STORAGE_USE_COUNT is not None
     count: int = _STORAGE_USE_COUNT(storage._cdata)
     return count
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a C-contiguous tensor of ``shape`` (for ``Tensor.set_``)."""
-    strides: list[int] = []
-    step = 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(int(dim), 1)
-    return tuple(reversed(strides))
 
 
 class ResultCache:
@@ -82,7 +71,7 @@ class ResultCache:
         if storage is None:
             return torch.empty(size, dtype=dtype, device="cpu")
         empty = torch.empty(0, dtype=dtype, device="cpu")
-        tensor: torch.Tensor = empty.set_(storage, 0, size, contiguous_strides(size))
+        tensor: torch.Tensor = empty.set_(storage, 0, size, ())  # no strides: contiguous
         return tensor
 
     def clear(self) -> None:

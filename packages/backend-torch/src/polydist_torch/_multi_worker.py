@@ -77,7 +77,7 @@ from polydist.cluster_resolver import ClusterResolver
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._backend import Reduction, TorchBackend, _tensors
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
-from polydist_torch._host_all_reduce import CACHE_MIN_BYTES, ResultCache, contiguous_strides
+from polydist_torch._host_all_reduce import CACHE_MIN_BYTES, ResultCache
 
 if TYPE_CHECKING:
     from polydist import StrategyExtended
@@ -588,32 +588,42 @@ class TorchProcessGroupBackend(TorchBackend):
     def _packed(
         self, columns: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype, destination: str
     ) -> list[torch.Tensor]:
-        """The sums over every replica of several arrays of ``dtype``: one collective."""
+        """The sums over every replica of several arrays of ``dtype``: one collective.
+
+        The pack holds the large arrays first, then the small ones (under
+        `CACHE_MIN_BYTES`: a bias, a loss), each group in the nest's order: the small
+        results then live on one copy of the pack's tail, so that keeping one does not
+        keep the whole pack alive, and a single-element one (a loss: a loss history)
+        gets memory of its own. Few torch calls per array: on CPU each costs
+        microseconds of Python."""
         assert self._group is not None
         device = torch_device(destination)
         shapes = [column[0].shape for column in columns]
         numels = [column[0].numel() for column in columns]
+        small = [n * dtype.itemsize < CACHE_MIN_BYTES for n in numels]
+        order = [i for i, s in enumerate(small) if not s] + [i for i, s in enumerate(small) if s]
         total = sum(numels)
 
+        def alloc() -> torch.Tensor:
+            if device.type == "cpu":
+                return self._cache.empty((total,), dtype)
+            return torch.empty(total, dtype=dtype, device=device)
+
         def fill() -> torch.Tensor:  # the local sums, while the check's round trip travels
-            flat = (
-                self._cache.empty((total,), dtype)
-                if device.type == "cpu"
-                else torch.empty(total, dtype=dtype, device=device)
-            )
-            offset = 0
-            for column, n in zip(columns, numels, strict=True):
-                part = flat[offset : offset + n]
-                offset += n
-                if len(column) == 1:
-                    part.copy_(column[0].reshape(-1))
-                elif device.type == "cpu":  # in replica order, as `_local_sum`
-                    first = column[0].to(device).reshape(-1)
-                    torch.add(first, column[1].to(device).reshape(-1), out=part)
-                    for value in column[2:]:
-                        part.add_(value.to(device).reshape(-1))
-                else:
-                    part.copy_(TorchBackend.reduce_to(self, column, destination).reshape(-1))
+            flat = alloc()
+            if device.type != "cpu":
+                offset = 0
+                for i in order:
+                    local = TorchBackend.reduce_to(self, columns[i], destination)
+                    flat[offset : offset + numels[i]].copy_(local.reshape(-1))
+                    offset += numels[i]
+                return flat
+            # In replica order, as `_local_sum`: replica 0's arrays, plus replica 1's, ...
+            torch.cat([columns[i][0].to(device).reshape(-1) for i in order], out=flat)
+            for k in range(1, len(columns[0])):
+                scratch = alloc()
+                torch.cat([columns[i][k].to(device).reshape(-1) for i in order], out=scratch)
+                flat.add_(scratch)
             return flat
 
         with torch.no_grad():
@@ -621,20 +631,24 @@ class TorchProcessGroupBackend(TorchBackend):
                 "all_reduce", dtype, (total,), None, fill, parts=[tuple(s) for s in shapes]
             )
             self._group.all_reduce_(flat)
+            start = sum(numels[i] for i in order if not small[i])  # where the small ones are
+            tail = flat[start:].clone().untyped_storage() if any(small) else None
+        # Tensors of their own (not views), so that autograd and in-place updates treat
+        # each as the fresh tensor a lone all_reduce returns (set_ with no strides:
+        # contiguous).
         storage, offset = flat.untyped_storage(), 0
-        results: list[torch.Tensor] = []
-        pieces = torch.split_with_sizes(flat, numels)
-        for shape, n, piece in zip(shapes, numels, pieces, strict=True):
-            if n * dtype.itemsize < CACHE_MIN_BYTES:
-                # Small (a loss, a bias): its own memory, so that keeping it (a loss
-                # history) does not keep the whole pack alive.
-                results.append(piece.view(shape).clone())
+        results: list[torch.Tensor] = [flat] * len(columns)
+        for i in order:
+            shape, n = shapes[i], numels[i]
+            if n == 1:
+                results[i] = flat[offset : offset + 1].view(shape).clone()
             else:
-                # A tensor of its own on the buffer's memory: not a view, so autograd and
-                # in-place updates treat it as the fresh tensor a lone all_reduce returns.
                 own = torch.empty(0, dtype=dtype, device=device)
-                own.set_(storage, offset, shape, contiguous_strides(shape))
-                results.append(own)
+                if small[i]:
+                    assert tail is not None
+                    results[i] = own.set_(tail, offset - start, shape, ())
+                else:
+                    results[i] = own.set_(storage, offset, shape, ())
             offset += n
         return results
 

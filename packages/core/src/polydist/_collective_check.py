@@ -41,6 +41,7 @@ Otherwise the call site is the innermost frame outside polydist.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -173,11 +174,17 @@ def _signature(
     if parts is None:
         return f"{what} of {dtype_name(dtype)}[{','.join(dims)}]"
     # A pack of several arrays: every worker must pack the same shapes, in the same order.
+    shapes = _parts_text(tuple(map(tuple, parts)))
+    return f"{what} of {len(parts)} {dtype_name(dtype)} arrays packed: {shapes}"
+
+
+@functools.lru_cache(maxsize=256)  # a training step packs the same shapes every time
+def _parts_text(parts: tuple[tuple[int, ...], ...]) -> str:
     shapes = " ".join(f"[{','.join(str(int(d)) for d in p)}]" for p in parts)
     if len(shapes) > _PARTS_TEXT:
         digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
         shapes = f"{shapes[:_PARTS_TEXT]} ... (all shapes: digest {digest})"
-    return f"{what} of {len(parts)} {dtype_name(dtype)} arrays packed: {shapes}"
+    return shapes
 
 
 class Pending(NamedTuple):
