@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -52,11 +53,14 @@ def _ctx() -> pd.ReplicaContext:
     return ctx
 
 
-def compiled_program(strategy: pd.Strategy, steps: int = STEPS) -> dict[str, list[np.ndarray]]:
+def compiled_program(
+    strategy: pd.Strategy, steps: int = STEPS, stall: float = 0.0
+) -> dict[str, list[np.ndarray]]:
     """One step function run ``steps`` times: collectives, a merge_call and variables
     (mirrored, sync-on-read) on integer-valued float32 data, whose sums are exact in any
     order (gloo's across processes too). Per-replica results list this process's
-    replicas (the sim's: every worker's)."""
+    replicas (the sim's: every worker's). ``stall``: seconds this worker sleeps before
+    step 1 (a peer that is late, not gone)."""
     with strategy.scope():
         w = pd.Variable(np.zeros(3, np.float32), name="w", aggregation=VA.SUM)
         seen = pd.Variable(
@@ -79,6 +83,8 @@ def compiled_program(strategy: pd.Strategy, steps: int = STEPS) -> dict[str, lis
         x = strategy.experimental_distribute_values_from_function(
             lambda c, s=s: np.arange(3, dtype=np.float32) + 10 * c.replica_id_in_sync_group + s
         )
+        if s == 1 and stall:
+            time.sleep(stall)
         results = strategy.run(step, args=(x, 2.0))
         for name, value in zip(names, results, strict=True):
             out[f"{name}_{s}"] = local_components(strategy, value)
@@ -111,11 +117,13 @@ def _compiled_main() -> None:
     parser.add_argument("mode", choices=["compiled"])
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--stall-worker-1", type=float, default=0.0)
     args = parser.parse_args()
     out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
     try:
         strategy = jax_strategy(args)
-        results = compiled_program(strategy, args.steps)
+        stall = args.stall_worker_1 if rank == 1 else 0.0
+        results = compiled_program(strategy, args.steps, stall)
         backend: Any = strategy.extended.backend
         results["compile_count"] = [np.asarray(backend.compile_count)]
         results["eager_fallback_count"] = [np.asarray(backend.eager_fallback_count)]
