@@ -174,7 +174,12 @@ class _Mesh:
         processes each process's own value: nothing assumes they are equal)."""
         if not self.spans_processes:
             return jax.device_put(value, self.replicated)
-        copies = [jax.device_put(value, d) for d in self.devices]
+        copies = [
+            value  # already there: a device_put would cost a dispatch per step
+            if isinstance(value, jax.Array) and value.committed and value.sharding == single
+            else jax.device_put(value, d)
+            for d, single in zip(self.devices, self.single, strict=True)
+        ]
         return jax.make_array_from_single_device_arrays(
             tuple(np.shape(value)), self.replicated, copies
         )
