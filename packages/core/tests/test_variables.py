@@ -708,3 +708,19 @@ def test_sync_on_read_sum_splits_by_every_replica_in_sync_not_local_copies() -> 
     )
     assert _global_copies(local_view) == 4
     assert _global_copies(SimpleNamespace(_distribute_strategy=None, _values=(0, 1, 2))) == 3
+
+
+def test_multi_worker_example_runs_on_the_sim(tmp_path: Path) -> None:
+    """examples/multi_worker_train.py's reference run (the engines' runs: their tests)."""
+    script = REPO / "examples" / "multi_worker_train.py"
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", str(script), "--ckpt", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "worker 0: 4 replicas in sync, engine sim\n" in proc.stdout
+    assert "worker 0: w = [0.9929, -1.9339, 0.4747, 2.9233]" in proc.stdout
+    assert "largest difference from the sim: 0.00e+00" in proc.stdout
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-13", "ckpt-14", "ckpt-15"]
