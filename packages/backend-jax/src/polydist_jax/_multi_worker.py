@@ -551,13 +551,10 @@ class _Cluster(mp.ClusterMembership):
             site = _trace.user_source_line(frame=sys._current_frames().get(caller))
             with contextlib.suppress(Exception):  # the peers' messages then lack the line
                 checker.report_site(pending, site, sorted(found))
-            elsewhere = "; ".join(
-                f"worker {self.describe([w])} is at {at} instead" for w, at in sorted(found.items())
-            )
             return (
                 f"CollectiveMismatchError: Workers disagree on their collective #{pending.n}: "
                 f"worker {self.describe([self.rank])} is at a compiled {_RUN} at {site}, "
-                f"{elsewhere}. "
+                f"{self._at_others(found)}. "
                 "XLA cannot interrupt the step's collective, so this process exits with code "
                 f"{WATCHDOG_EXIT_CODE}. Every worker must call the same collectives "
                 "(strategy.run, reduce, gather, ...) in the same order."
@@ -574,6 +571,10 @@ class _Cluster(mp.ClusterMembership):
             found = self.checker.peek(pending)
         except Exception:  # the store is gone: the diagnosis names the dead instead
             return ""
+        return self._at_others(found)
+
+    def _at_others(self, found: dict[int, str]) -> str:
+        """`CollectiveChecker.peek`'s answer in words."""
         return "; ".join(
             f"worker {self.describe([w])} is at {at} instead" for w, at in sorted(found.items())
         )
