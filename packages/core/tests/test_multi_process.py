@@ -334,3 +334,40 @@ def test_once_per_process() -> None:
 
 def _raise(error: Exception) -> None:
     raise error
+
+
+def test_announce_publish_late_and_settle_go_to_the_checker() -> None:
+    """An engine that exchanges a collective's digest itself (JAX's compiled step)."""
+
+    class Announcing(_Checker):
+        def announce(self, op: str, payload: str) -> tuple[object, ...]:
+            self.calls.append(("announce", op))
+            if self.error is not None:
+                raise self.error
+            return (op,)
+
+        def publish_late(self, pending: object) -> None:
+            self.calls.append(("publish_late", pending))
+            raise RuntimeError("the store is gone")  # dropped: the engine's wait reports it
+
+        def settled(self, pending: object) -> None:
+            self.calls.append(("settled", pending))
+
+    checker = Announcing(None)
+    member = _membership(checker)  # type: ignore[arg-type]
+    pending = member.announce("strategy.run")
+    member.publish_late(pending)
+    member.settle(pending)
+    assert checker.calls == [
+        ("announce", "strategy.run"),
+        ("publish_late", ("strategy.run",)),
+        ("settled", ("strategy.run",)),
+    ]
+    assert member.failure is None and member.collectives == 0
+    # A store that fails while announcing fails the cluster, as a failed check does.
+    failing = _membership(Announcing(RuntimeError("store unreachable")))  # type: ignore[arg-type]
+    with pytest.raises(errors.UnavailableError, match="store unreachable"):
+        failing.announce("strategy.run")
+    assert failing.failure is not None and failing.collectives == 1
+    assert failing.announce("strategy.run") is None  # failed: nothing more is announced
+    assert _membership().announce("strategy.run") is None  # no checker: no check
