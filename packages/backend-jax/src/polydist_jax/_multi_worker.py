@@ -111,8 +111,11 @@ _DIGEST_WORDS = 1 + _SIGNATURE_BYTES // 4
 _DIGEST_CACHE = 64  # programs whose digest array stays on the device
 _AXIS = "polydist_workers"
 _PLATFORMS = {"CPU": "cpu", "GPU": "gpu", "TPU": "tpu"}
-# How often the watchdog probes a waiting call (a compiled step's agreement: see `agree`).
+# When the watchdog first probes a waiting call (a compiled step's agreement: see
+# `agree`); each later probe waits twice as long, up to `_PROBE_MAX_SECONDS` (each probe
+# reads every peer's key: a store load that grows with the cluster).
 _PROBE_SECONDS = 0.25
+_PROBE_MAX_SECONDS = 4.0
 # JAX's own liveness bounds are set this far beyond polydist's, so that ours fire first.
 _JAX_MARGIN_SECONDS = 10
 
@@ -148,8 +151,8 @@ class _Watchdog:
         self._generation = 0  # how many times it was armed: the current arm's number
         self._deadline: float | None = None
         self._explain: Callable[[], str] = lambda: ""
-        # While the call waits: (when next, a probe that may end the process).
-        self._probe: tuple[float, Callable[[], str | None]] | None = None
+        # While the call waits: (when next, the interval, a probe that may end the process).
+        self._probe: tuple[float, float, Callable[[], str | None]] | None = None
         self._wake = threading.Event()
         thread = threading.Thread(target=self._loop, name="polydist-watchdog", daemon=True)
         thread.start()
@@ -161,14 +164,14 @@ class _Watchdog:
         probe: Callable[[], str | None] | None = None,
     ) -> int:
         """Watches the next ``seconds``; returns the arm's number, for `disarm`. While the
-        call waits, ``probe`` runs on the watchdog's thread every `_PROBE_SECONDS`: a
-        message it returns ends the process at once."""
+        call waits, ``probe`` runs on the watchdog's thread after `_PROBE_SECONDS`, then at
+        doubling intervals: a message it returns ends the process at once."""
         with self._lock:
             self._generation += 1
             now = time.monotonic()
             self._deadline = now + seconds
             self._explain = explain
-            self._probe = None if probe is None else (now + _PROBE_SECONDS, probe)
+            self._probe = None if probe is None else (now + _PROBE_SECONDS, _PROBE_SECONDS, probe)
             generation = self._generation
         self._wake.set()
         return generation
@@ -193,8 +196,9 @@ class _Watchdog:
                 with self._lock:
                     run = self._probe is probe and generation == self._generation
                     if run:
-                        self._probe = (now + _PROBE_SECONDS, probe[1])
-                found = probe[1]() if run else None
+                        interval = min(2 * probe[1], _PROBE_MAX_SECONDS)
+                        self._probe = (now + interval, interval, probe[2])
+                found = probe[2]() if run else None
                 with self._lock:
                     late = generation == self._generation and self._deadline is not None
                 if found is not None and late:
