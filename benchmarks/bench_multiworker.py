@@ -409,8 +409,8 @@ def main() -> int:
         "the check's store round trip is in flight, then calls dist.all_reduce on the copy. "
         "'copy + in-place' is that least cost written by hand; 'out-of-place "
         "funcol.all_reduce' is torch's own out-of-place all_reduce (it clones). jax's psum is "
-        "out of place already; a compiled multi-process step pays one store round trip (the "
-        "check, which also carries the program digest the workers agree on).",
+        "out of place already; a compiled multi-process step pays one small XLA all-gather "
+        "first (the program digest the workers agree on) and the Python work of strategy.run.",
         "target": f"ratio >= {TARGET} for 1-64 MiB",
         "ratios": [
             {
