@@ -116,6 +116,9 @@ _PLATFORMS = {"CPU": "cpu", "GPU": "gpu", "TPU": "tpu"}
 # reads every peer's key: a store load that grows with the cluster).
 _PROBE_SECONDS = 0.25
 _PROBE_MAX_SECONDS = 4.0
+# How long a collective that failed while a probe ends the process waits for that end
+# (the probe lingers up to 5 s for the peers to read the mismatch).
+_ENDING_WAIT_SECONDS = 15.0
 # JAX's own liveness bounds are set this far beyond polydist's, so that ours fire first.
 _JAX_MARGIN_SECONDS = 10
 
@@ -165,7 +168,8 @@ class _Watchdog:
     ) -> int:
         """Watches the next ``seconds``; returns the arm's number, for `disarm`. While the
         call waits, ``probe`` runs on the watchdog's thread after `_PROBE_SECONDS`, then at
-        doubling intervals: a message it returns ends the process at once."""
+        doubling intervals: a message it returns ends the process at once (even if the
+        call failed while the probe ran: the message is the cause)."""
         with self._lock:
             self._generation += 1
             now = time.monotonic()
@@ -199,9 +203,7 @@ class _Watchdog:
                         interval = min(2 * probe[1], _PROBE_MAX_SECONDS)
                         self._probe = (now + interval, interval, probe[2])
                 found = probe[2]() if run else None
-                with self._lock:
-                    late = generation == self._generation and self._deadline is not None
-                if found is not None and late:
+                if found is not None:  # even if the call failed meanwhile: the cause
                     _exit_with(found, WATCHDOG_EXIT_CODE)
                 continue
             remaining = deadline - now
@@ -429,6 +431,7 @@ class _Cluster(mp.ClusterMembership):
             )
         )
         self._announced: Pending | None = None  # the step agree is at (for a diagnosis)
+        self._ending = threading.Event()  # a probe found a mismatch: the process ends
         self._digest_arrays: collections.OrderedDict[bytes | None, Any] = collections.OrderedDict()
 
     def _stacked(self, local: Any) -> Any:
@@ -481,6 +484,11 @@ class _Cluster(mp.ClusterMembership):
             self.checked(op, array.dtype, array.shape, axis, lambda: None, parts=parts)
 
     def failed(self, what: str, err: BaseException) -> errors.OpError:
+        if self._ending.is_set():
+            # A probe found the cause (a peer at another collective) and is ending the
+            # process with it: the peer's exit broke this collective, so do not raise
+            # a misleading error first.
+            time.sleep(_ENDING_WAIT_SECONDS)
         failure = super().failed(what, err)
         _FAILED.append(failure)  # the process then exits without JAX's shutdown
         return failure
@@ -552,6 +560,7 @@ class _Cluster(mp.ClusterMembership):
                 return None
             if not found:
                 return None
+            self._ending.set()
             site = _trace.user_source_line(frame=sys._current_frames().get(caller))
             with contextlib.suppress(Exception):  # the peers' messages then lack the line
                 checker.report_site(pending, site, sorted(found))
