@@ -236,6 +236,25 @@ def test_a_probe_that_finds_the_call_cannot_complete_ends_the_process_at_once() 
     assert "late" not in child.stderr and child.stdout == ""
 
 
+def test_a_probe_s_finding_ends_the_process_even_if_the_call_failed_meanwhile() -> None:
+    # The peer that raised the mismatch exits, which can break this worker's collective
+    # while the probe lingers: the probe's diagnosis is still the one that ends it.
+    child = _run_watchdog_child(
+        """
+        import time
+        def probe():
+            watchdog.disarm(armed)  # the call failed while the probe looked
+            return "the peer is at another collective"
+        armed = watchdog.arm(60, lambda: "late", probe)
+        time.sleep(20)
+        print("not ended")
+        """
+    )
+    assert child.returncode == WATCHDOG_EXIT_CODE, child.stderr[-3000:]
+    assert "polydist: the peer is at another collective\n" in child.stderr
+    assert child.stdout == ""
+
+
 def test_a_probe_stops_when_its_call_returns() -> None:
     child = _run_watchdog_child(
         """
