@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,6 +49,7 @@ __all__ = [
     "as_global",
     "check_a_killed_worker_is_named",
     "check_mismatch",
+    "check_multi_worker_example",
     "check_sum",
     "error",
     "kill_a_worker",
@@ -301,6 +303,37 @@ def check_mismatch(
         for w, reached in enumerate(MISMATCHES[case]):
             assert f"\n  worker {w} (/job:worker/replica:0/task:{w} at 127.0.0.1:" in message
             assert f"): {reached}\n" in message, message
+
+
+def check_multi_worker_example(engine: Engine, example: Path, name: str, ckpt: Path) -> None:
+    """The repository's ``examples/multi_worker_train.py`` with ``--engine name`` on
+    `WORKERS` processes (``engine``'s environment): every worker ends with the same
+    weights, within rounding of the simulator's, and a restart from the chief's
+    checkpoints in ``ckpt`` resumes after the last step (the same weights)."""
+
+    def run() -> str:
+        log = io.StringIO()
+        result = _launch.launch(
+            WORKERS,
+            str(example),
+            ["--engine", name, "--ckpt", str(ckpt)],
+            timeout=180,
+            stdout=log,
+            stderr=log,
+            env=engine.environment(),
+        )
+        assert result.exit_code == 0, f"{result.message}\n{log.getvalue()[-3000:]}"
+        return log.getvalue()
+
+    out = run()
+    weights = re.findall(r"worker (\d): w = (\[.*\])", out)
+    assert sorted(w for w, _ in weights) == [str(w) for w in range(WORKERS)], out
+    assert len({w for _, w in weights}) == 1, out  # every worker holds the same weights
+    diffs = [float(d) for d in re.findall(r"largest difference from the sim: (\S+)", out)]
+    assert len(diffs) == WORKERS, out
+    assert max(diffs) <= 1e-6, out
+    again = run()
+    assert re.findall(r"worker \d: w = (\[.*\])", again) == [weights[0][1]] * WORKERS, again
 
 
 # --------------------------------------------------------------------------- the tests

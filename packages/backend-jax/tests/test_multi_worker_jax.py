@@ -373,3 +373,13 @@ def test_a_compiled_step_against_a_gather_is_a_mismatch_on_both(tmp_path: Path) 
     assert "polydist: CollectiveMismatchError: Workers disagree on their collective #2: " in said
     assert f"is at a compiled {step}, worker 1 (/job:worker/replica:0/task:1 at " in said, said
     assert f"is at {gather.removesuffix(' in mismatch').rsplit(' at ', 1)[0]} instead" in said
+
+
+# --------------------------------------------------------------------------- the example
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "multi_worker_train.py"
+
+
+@pytest.mark.skipif(not EXAMPLE.exists(), reason="runs from a checkout of the repository")
+def test_the_multi_worker_example_trains_to_the_sims_weights_and_resumes(tmp_path: Path) -> None:
+    mpt.check_multi_worker_example(ENGINE, EXAMPLE, "jax", tmp_path)

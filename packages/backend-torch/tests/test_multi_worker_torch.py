@@ -208,3 +208,13 @@ def test_bad_rendezvous_address() -> None:
 def test_a_step_against_a_gather_raises_collective_mismatch_on_both(tmp_path: Path) -> None:
     """Worker 0 runs a step (its all_reduce is checked), worker 1 gathers: both raise."""
     mpt.check_mismatch(ENGINE, tmp_path, "run_or_gather", TestMultiWorker.mismatch_at)
+
+
+# --------------------------------------------------------------------------- the example
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "multi_worker_train.py"
+
+
+@pytest.mark.skipif(not EXAMPLE.exists(), reason="runs from a checkout of the repository")
+def test_the_multi_worker_example_trains_to_the_sims_weights_and_resumes(tmp_path: Path) -> None:
+    mpt.check_multi_worker_example(ENGINE, EXAMPLE, "torch", tmp_path)

@@ -520,3 +520,15 @@ def test_announce_with_checks_off_returns_none() -> None:
     w0.settled(None)
     w0.publish_late(None)
     assert w0.peek(None) == {}
+
+
+def test_peek_names_a_peer_that_left() -> None:
+    store = MemoryStore()
+    w0, w1 = _checker(store, 0), _checker(store, 1)
+    for c in (w0, w1):
+        c._enabled = True
+    pending = w0.announce("strategy.run")
+    w1.leave()  # its program ended before collective #1
+    found = w0.peek(pending)
+    assert list(found) == [1]
+    assert found[1].startswith("left the cluster after 0 collective(s) (its program ended"), found

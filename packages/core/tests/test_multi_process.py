@@ -340,7 +340,7 @@ def test_announce_publish_late_and_settle_go_to_the_checker() -> None:
     """An engine that exchanges a collective's digest itself (JAX's compiled step)."""
 
     class Announcing(_Checker):
-        def announce(self, op: str, payload: str) -> tuple[object, ...]:
+        def announce(self, op: str) -> tuple[object, ...]:
             self.calls.append(("announce", op))
             if self.error is not None:
                 raise self.error

@@ -305,7 +305,7 @@ class CollectiveChecker:
         payloads.insert(self._rank, pending.payload)
         return payloads
 
-    def announce(self, op: str, payload: str = "") -> Pending | None:
+    def announce(self, op: str) -> Pending | None:
         """Numbers collective ``op`` like `publish`, but writes nothing yet: the engine
         compares the workers' digests of it in a collective of its own (cheaper than the
         store's round trip), then calls `settled`. If that exchange does not complete
@@ -315,7 +315,7 @@ class CollectiveChecker:
         self.seq += 1
         if not self._enabled:
             return None
-        return Pending(self.seq, _signature(op, None, (), None), payload, None)
+        return Pending(self.seq, _signature(op, None, (), None), "", None)
 
     def publish_late(self, pending: Pending | None) -> None:
         """Writes `announce`'s signature ``pending`` (any thread; once is enough)."""
@@ -338,10 +338,10 @@ class CollectiveChecker:
         found = {}
         for r in self._others:
             got = self._store.get_all([f"cc/{pending.n}/{r}"], 0.001)
-            if got is not None and got[0].partition("\n")[0] != pending.signature:
-                found[r] = self._describe(got[0], None).removesuffix(
-                    " at (its call site did not arrive)"
-                )
+            text = got[0] if got is not None else pending.signature
+            call = text.partition("\n")[0]
+            if call != pending.signature:  # its call site is not known yet
+                found[r] = self._describe(text, None) if call == _LEFT else call
         return found
 
     def report_site(self, pending: Pending, site: str, readers: Sequence[int]) -> None:

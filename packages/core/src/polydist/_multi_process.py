@@ -898,7 +898,7 @@ class ClusterMembership:
         finally:
             self.entering = False
 
-    def announce(self, op: str, payload: str = "") -> Pending | None:
+    def announce(self, op: str) -> Pending | None:
         """For an engine that compares the workers' digests of collective ``op`` in a
         collective of its own (cheaper than the store's round trip): numbers ``op`` as the
         check does, without a store round trip (`CollectiveChecker.announce`). `settle`
@@ -907,7 +907,7 @@ class ClusterMembership:
         if self.checker is None or self.failure is not None:
             return None
         try:
-            return self.checker.announce(op, payload)
+            return self.checker.announce(op)
         except self.engine_errors as e:
             self.collectives += 1
             raise self.failed(op, e) from e
