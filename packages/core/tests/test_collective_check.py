@@ -458,12 +458,18 @@ def test_a_long_pack_is_named_by_its_first_shapes_and_a_digest_of_all() -> None:
 # -- collectives the engine compares itself (announce / settled / publish_late / peek) ------
 
 
+def _checking_pair() -> tuple[MemoryStore, tuple[CollectiveChecker, CollectiveChecker]]:
+    """Two workers' checkers on one store, past their first collective (checks known on)."""
+    store = MemoryStore()
+    pair = (_checker(store, 0), _checker(store, 1))
+    for c in pair:
+        c._enabled = True
+    return store, pair
+
+
 def test_an_announced_collective_is_numbered_but_writes_nothing() -> None:
     """A compiled JAX step: its digest travels in an engine collective, not the store."""
-    store = MemoryStore()
-    w0, w1 = _checker(store, 0), _checker(store, 1)
-    for c in (w0, w1):
-        c._enabled = True  # as after the first collective
+    store, (w0, w1) = _checking_pair()
     pending = w0.announce("strategy.run")
     assert pending is not None and pending.n == 1 and w0.seq == 1
     assert not [k for k in store.data if k.startswith("cc/1/")]
@@ -480,10 +486,7 @@ def test_an_announced_collective_is_numbered_but_writes_nothing() -> None:
 
 
 def test_an_announced_collective_published_late_is_a_peer_s_mismatch() -> None:
-    store = MemoryStore()
-    w0, w1 = _checker(store, 0), _checker(store, 1)
-    for c in (w0, w1):
-        c._enabled = True
+    store, (w0, w1) = _checking_pair()
     pending = w0.announce("strategy.run")
     assert pending is not None
     assert w0.peek(pending) == {}  # worker 1 has not published collective #1 yet
@@ -523,10 +526,7 @@ def test_announce_with_checks_off_returns_none() -> None:
 
 
 def test_peek_names_a_peer_that_left() -> None:
-    store = MemoryStore()
-    w0, w1 = _checker(store, 0), _checker(store, 1)
-    for c in (w0, w1):
-        c._enabled = True
+    _, (w0, w1) = _checking_pair()
     pending = w0.announce("strategy.run")
     w1.leave()  # its program ended before collective #1
     found = w0.peek(pending)
