@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU checks, as run on a lent one-GPU machine (docs/benchmarks.md, "On a GPU").
+#
+# Expects the five polydist wheels and their missing dependencies in .whl/ (built on the
+# developer's machine: `pip wheel --no-deps -w .whl ./packages/* ./conformance`, plus
+# optree, greenlet and array-api-compat for the machine's Python), and the machine's own
+# torch and jax. Phase 1 runs, side by side: the torch backend's tests (CUDA tests
+# included; the multi-worker ones need 2 local devices per worker, so they stay on CPU in
+# CI), the conformance suite on the torch and JAX backends with one replica on the GPU,
+# and JAX's own tests on 8 fake CPU devices (the machine's jax version). Phase 2 runs the
+# benchmarks one at a time on the quiet machine. Everything lands in $OUT: summary.txt and
+# logs.tgz (every log and results file).
+set -u
+OUT=${OUT:-/tmp/polydist-device}
+LOGS=/tmp/polydist-logs
+mkdir -p "$OUT" "$LOGS"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+PHASE1_S=${PHASE1_S:-180}
+
+{
+    date -u
+    nvidia-smi -L
+    $PY -c "import sys; print(sys.version)"
+    $PY -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"
+    $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
+} >"$LOGS/env.txt" 2>&1
+
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$LOGS/install.txt" 2>&1 || {
+    cp "$LOGS/install.txt" "$OUT/summary.txt"
+    exit 1
+}
+export PYTHONPATH=/tmp/site
+
+# Several processes share the GPU: JAX must not take 75% of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+T="timeout -k 5 $PHASE1_S"
+PYTEST="$PY -m pytest -q -p no:cacheprovider --timeout=120"
+TT=packages/backend-torch/tests
+$T $PYTEST $TT --ignore=$TT/test_multi_worker_torch.py \
+    --ignore=$TT/test_multi_worker_out_of_place.py >"$LOGS/torch-tests.log" 2>&1 &
+$T $PYTEST --pyargs polydist_conformance --polydist-backend=torch --polydist-replicas=1 \
+    --polydist-json="$LOGS/conformance-torch-cuda.json" >"$LOGS/torch-conformance.log" 2>&1 &
+$T $PYTEST --pyargs polydist_conformance --polydist-backend=jax --polydist-replicas=1 \
+    --polydist-json="$LOGS/conformance-jax-gpu.json" >"$LOGS/jax-conformance.log" 2>&1 &
+JAX_PLATFORMS=cpu $T $PYTEST packages/backend-jax/tests >"$LOGS/jax-tests-cpu.log" 2>&1 &
+wait
+unset XLA_PYTHON_CLIENT_PREALLOCATE
+
+timeout -k 5 80 $PY benchmarks/bench_jax.py >"$LOGS/bench-jax.log" 2>&1
+timeout -k 5 90 $PY benchmarks/bench_torch.py --replicas 1 4 >"$LOGS/bench-torch.log" 2>&1
+cp benchmarks/results/*-gpu.json benchmarks/results/*-cuda.json "$LOGS/" 2>/dev/null
+
+{
+    cat "$LOGS/env.txt"
+    for f in "$LOGS"/*.log; do
+        echo "=== $(basename "$f")"
+        grep -E "^(FAILED|ERROR)" "$f" | head -40
+        tail -n 4 "$f"
+    done
+} >"$OUT/summary.txt" 2>&1
+tar czf "$OUT/logs.tgz" -C "$LOGS" .
