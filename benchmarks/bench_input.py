@@ -198,10 +198,11 @@ def jax_main(args: argparse.Namespace) -> int:
 
     from polydist_jax import AXIS, JaxBackend
 
-    devices = jax.devices()[:REPLICAS]
+    devices = jax.devices()[:REPLICAS]  # fewer on a machine with fewer GPUs
+    replicas = len(devices)
     sharding = NamedSharding(Mesh(np.array(devices, dtype=object), (AXIS,)), PartitionSpec(AXIS))
-    strategy = pd.MirroredStrategy(REPLICAS, backend=JaxBackend())
-    eager = pd.MirroredStrategy(REPLICAS, backend=JaxBackend(jit=False))
+    strategy = pd.MirroredStrategy(replicas, backend=JaxBackend())
+    eager = pd.MirroredStrategy(replicas, backend=JaxBackend(jit=False))
 
     def by_hand(batches: list[dict[str, np.ndarray]]) -> int:
         placed = [{k: jax.device_put(v, sharding) for k, v in b.items()} for b in batches]
@@ -210,8 +211,9 @@ def jax_main(args: argparse.Namespace) -> int:
 
     def distributed(dataset: pd.DistributedDataset) -> int:
         steps = list(dataset)
-        jax.block_until_ready([c for step in steps for v in step.values() for c in v.values])
-        return sum(len(y) for step in steps for y in step["y"].values)
+        local = strategy.experimental_local_results  # one replica: plain arrays
+        jax.block_until_ready([c for step in steps for v in step.values() for c in local(v)])
+        return sum(len(y) for step in steps for y in local(step["y"]))
 
     rows = []
     for features in args.features:
@@ -250,7 +252,7 @@ def jax_main(args: argparse.Namespace) -> int:
             "jax.device_put(batch, NamedSharding(mesh, P('replica'))) by hand"
         ),
         "device": f"{jax.default_backend().upper()} ({jax.devices()[0].device_kind})",
-        "replicas": REPLICAS,
+        "replicas": replicas,
         "global_batch": args.global_batch,
         "steps_per_pass": STEPS,
         "jax": jax.__version__,
@@ -262,7 +264,8 @@ def jax_main(args: argparse.Namespace) -> int:
             "blocks until its transfers are done."
         ),
     }
-    path = write_results("input-jax", payload)
+    platform = jax.default_backend()
+    path = write_results("input-jax" if platform == "cpu" else f"input-jax-{platform}", payload)
     print(f"wrote {path}")
     return 0
 

@@ -218,6 +218,12 @@ def main() -> int:
         for n in sorted({1, gpus}):
             strategy = pd.MirroredStrategy(n, backend=backend)
             record("MirroredStrategy", strategy, [torch.device("cuda", i) for i in range(n)])
+        # Without torch.device as a context in the replicas (a torch function mode that
+        # every torch call passes through): what TF's placement of factories costs.
+        plain = TorchBackend(replica_default_device=False)
+        record("OneDevice, no dflt", pd.OneDeviceStrategy("/gpu:0", backend=plain), [gpu0])
+        strategy = pd.MirroredStrategy(gpus, backend=plain)
+        record("Mirrored, no dflt", strategy, [torch.device("cuda", i) for i in range(gpus)])
 
     one_cpu = [r for r in rows if r["device"] == "cpu" and r["replicas"] == 1]
     cpu_mirrored = {

@@ -42,6 +42,11 @@ built. Run the benchmarks of a checkout and print the same table with
 polydist bench            # runs benchmarks/bench_*.py, then prints the table
 polydist bench --no-run   # only prints the table from the existing results
 ```
+
+The GPU rows (`jax-gpu`, `torch-cuda`, `input-jax-gpu`) come from one NVIDIA
+H200, measured with `benchmarks/device_check.sh`, which also runs the
+conformance suite and the backends' tests there. On that machine the timings
+of a 1-2 ms step varied by up to 30% between runs of the same code.
 """
 
 

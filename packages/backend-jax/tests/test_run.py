@@ -207,3 +207,26 @@ def test_a_loop_that_never_reads_its_results_does_not_stall_xla_cpu(
     assert jax_backend.compile_count == before + 1
     assert len(jax_backend._compiled._in_flight) <= 2
     assert [float(x) for x in strategy.experimental_local_results(results[-1])] == [8.0] * 8
+
+
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_empty_results_beside_a_collective(jax_backend: JaxBackend, outer_jit: bool) -> None:
+    # Zero-size results are made outside the compiled program: one beside a collective
+    # crashed XLA:CPU's compiler (jax 0.11.2, found on a GPU machine's CPU).
+    strategy = pd.MirroredStrategy(4, backend=jax_backend)
+    devices = jax.devices()[:4]
+
+    def fn() -> Any:
+        x = jnp.ones((3,), jnp.float32)
+        return ctx().all_reduce("SUM", x), jnp.zeros((2, 0), jnp.int8), x[:0] + replica_id()
+
+    def run() -> Any:
+        return strategy.run(fn)
+
+    results = jax.jit(run)() if outer_jit else run()
+    total, empty, sliced = [strategy.experimental_local_results(v) for v in results]
+    if not outer_jit:
+        assert [e.devices() for e in empty] == [{d} for d in devices]
+    assert [np.asarray(t).tolist() for t in total] == [[4.0, 4.0, 4.0]] * 4
+    assert [(e.shape, e.dtype) for e in empty] == [((2, 0), jnp.int8)] * 4
+    assert [(s.shape, s.dtype) for s in sliced] == [((0,), jnp.float32)] * 4

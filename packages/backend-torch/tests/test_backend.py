@@ -27,7 +27,8 @@ def test_entry_point_resolves_by_name() -> None:
     backend = get_backend("torch")
     assert isinstance(backend, TorchBackend)
     assert "torch" in pd.available_backends()
-    assert isinstance(pd.MirroredStrategy(2, backend="torch").extended.backend, TorchBackend)
+    cpus = ["/cpu:0", "/cpu:1"]  # explicit: a count means GPUs where CUDA is present
+    assert isinstance(pd.MirroredStrategy(cpus, backend="torch").extended.backend, TorchBackend)
 
 
 def test_capabilities_are_declared_per_reduction() -> None:
@@ -170,7 +171,7 @@ def test_collectives_return_distinct_new_tensors() -> None:
 
 def test_bool_sum_is_refused_like_the_sim() -> None:
     # Core refuses before the collective (torch itself would OR the flags).
-    strategy = pd.MirroredStrategy(2, backend=TorchBackend())
+    strategy = pd.MirroredStrategy(["/cpu:0", "/cpu:1"], backend=TorchBackend())
     flags = pd.PerReplica([torch.tensor([True, False]), torch.tensor([True, True])])
     for op in ("SUM", "MEAN"):
         with pytest.raises(TypeError, match="cannot SUM bool replica values"):
@@ -253,3 +254,20 @@ def test_torch_xla_entry_point_says_how_to_install_it() -> None:
     message = str(caught.value)
     assert "pip install 'polydist-torch[xla]'" in message
     assert "torch-xla==2.9.0 needs torch==2.9.0 exactly" in message
+
+
+@pytest.mark.parametrize("replica_default_device", [True, False])
+def test_replica_default_device_decides_where_factories_land(
+    replica_default_device: bool,
+) -> None:
+    # "meta" stands in for a default device that is not the replica's, as "cpu" is for
+    # a GPU replica. torch's default device is per thread: one replica runs on this one.
+    backend = TorchBackend(replica_default_device=replica_default_device)
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=backend)
+    torch.set_default_device("meta")
+    try:
+        made = strategy.run(lambda: torch.zeros(3))
+    finally:
+        torch.set_default_device(None)
+    assert made.device.type == ("cpu" if replica_default_device else "meta")
+    assert ("replica_default_device=False" in repr(backend)) is not replica_default_device

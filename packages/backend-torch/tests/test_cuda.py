@@ -64,6 +64,26 @@ def test_results_land_on_each_replicas_device_and_scope_sets_cuda_device() -> No
 
 
 @needs_cuda
+@pytest.mark.parametrize("replica_default_device", [True, False])
+def test_host_values_placed_inside_a_gpu_replica(replica_default_device: bool) -> None:
+    # The replica id and NumPy inputs are staged in pinned CPU memory from inside the
+    # replica, where torch's default device may be the GPU (found on an H200).
+    backend = TorchBackend(replica_default_device=replica_default_device)
+    s = pd.MirroredStrategy(["/gpu:0", "/cpu:0"], backend=backend)
+
+    def fn() -> Any:
+        total = ctx().all_reduce("SUM", np.arange(3, dtype=np.float32))
+        return ctx().replica_id_in_sync_group, total
+
+    ids, totals = s.run(fn)
+    ids, totals = s.experimental_local_results(ids), s.experimental_local_results(totals)
+    assert [t.device.type for t in ids] == ["cuda", "cpu"]
+    assert [t.item() for t in ids] == [0, 1]
+    assert [t.device.type for t in totals] == ["cuda", "cpu"]
+    assert [t.tolist() for t in totals] == [[0.0, 2.0, 4.0]] * 2
+
+
+@needs_cuda
 def test_sequential_sum_on_gpu_matches_the_sim_bitwise() -> None:
     # Elementwise CUDA addition is correctly rounded, so summing in replica order on
     # the GPU gives the sim's "sequential" bits.

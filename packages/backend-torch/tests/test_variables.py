@@ -900,7 +900,8 @@ def test_checkpoint_bfloat16_without_ml_dtypes_says_to_install_it(
 @pytest.mark.parametrize("sync", [SYNC.ON_WRITE, SYNC.ON_READ])
 def test_every_copy_keeps_a_dtype_numpy_lacks(sync: pd.VariableSynchronization) -> None:
     # Copies 1.. are made through NumPy, which has no bfloat16 of its own (ml_dtypes adds it).
-    strategy = pd.MirroredStrategy(N, backend=TorchBackend("sequential"))
+    cpus = [f"/cpu:{i}" for i in range(N)]
+    strategy = pd.MirroredStrategy(cpus, backend=TorchBackend("sequential"))
     with strategy.scope():
         v = pd.Variable(
             torch.tensor([1.5, 2.0], dtype=torch.bfloat16),

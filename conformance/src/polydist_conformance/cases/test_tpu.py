@@ -17,6 +17,7 @@ oracle simulates ``$POLYDIST_LOCAL_TPU``, which must then have as many cores.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -43,9 +44,13 @@ SIMULATED = pytest.mark.requires("simulated_clusters")
 
 
 @pytest.fixture(autouse=True)
-def _oracle_has_the_backends_cores(polydist_session: ConformanceSession) -> None:
+def _oracle_has_the_backends_cores(
+    polydist_session: ConformanceSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The default slice on a backend's own TPU cores is compared with the sim's local
-    slice: both must have the same number of cores."""
+    slice: both must have the same number of cores. Where devices stand in for TPU cores
+    and ``$POLYDIST_LOCAL_TPU`` is unset, the first single-host slice with as many cores
+    is simulated (one GPU: ``v5e-1``); a slice the user named is never replaced."""
     from polydist.cluster_resolver import LOCAL_TPU_ENV, TPUClusterResolver
 
     system = local_tpu_system(polydist_session.backend)
@@ -59,6 +64,9 @@ def _oracle_has_the_backends_cores(polydist_session: ConformanceSession) -> None
             for name, spec in SIMULATED_SLICES.items()
             if spec.num_hosts == 1 and spec.num_cores == system.num_cores
         ]
+        if fits and system.is_stand_in and LOCAL_TPU_ENV not in os.environ:
+            monkeypatch.setenv(LOCAL_TPU_ENV, fits[0])
+            return
         hint = f" such as {', '.join(fits)}" if fits else " (no simulated slice has that many)"
         what = "devices standing in for TPU cores" if system.is_stand_in else "TPU cores"
         pytest.fail(
@@ -78,6 +86,12 @@ def _tpu_extended(strategy: pd.Strategy) -> Any:
 def _default_replicas(conformance: Conformance) -> int:
     """The replicas of ``TPUStrategy()`` (the same resolver on the backend and the oracle)."""
     return tpu()(conformance.session.oracle).num_replicas_in_sync
+
+
+def _skip_unless_uneven_is_possible(conformance: Conformance) -> None:
+    """Uneven shapes need two replicas: a one-core slice (one GPU standing in) has one."""
+    if _default_replicas(conformance) < 2:
+        pytest.skip("TPUStrategy() has one replica here: no replica can differ in shape")
 
 
 # -- any TPU slice ----------------------------------------------------------------------------
@@ -160,6 +174,8 @@ def test_collectives_span_every_replica(conformance: Conformance) -> None:
 def test_gather_needs_the_same_shape_on_every_replica(conformance: Conformance) -> None:
     """Other strategies allow uneven sizes along the gather axis; TPU does not."""
 
+    _skip_unless_uneven_is_possible(conformance)
+
     def program(strategy: pd.Strategy, xp: Any) -> Any:
         uneven = strategy.experimental_distribute_values_from_function(
             lambda ctx: xp.ones((ctx.replica_id_in_sync_group + 1,), dtype=xp.float32)
@@ -192,6 +208,8 @@ def test_gather_of_equal_shapes(conformance: Conformance) -> None:
 
 @pytest.mark.requires("dynamic_shapes")
 def test_all_gather_needs_the_same_shape_on_every_replica(conformance: Conformance) -> None:
+    _skip_unless_uneven_is_possible(conformance)
+
     def program(strategy: pd.Strategy, xp: Any) -> Any:
         uneven = strategy.experimental_distribute_values_from_function(
             lambda ctx: xp.ones((ctx.replica_id_in_sync_group + 1,), dtype=xp.float32)

@@ -187,6 +187,7 @@ def test_copies_live_on_the_worker_devices(conformance: Conformance) -> None:
 
 
 @IN_RUN
+@pytest.mark.min_replicas(2)  # with one replica, replica 0's device is every replica's
 def test_device_in_replica_context_is_the_replicas(conformance: Conformance) -> None:
     def program(strategy: pd.Strategy, xp: Any) -> Any:
         with strategy.scope():

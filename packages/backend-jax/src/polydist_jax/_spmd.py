@@ -173,6 +173,15 @@ class _Mesh:
         """``value`` as a replicated input: a copy on each replica's device (across
         processes each process's own value: nothing assumes they are equal)."""
         if not self.spans_processes:
+            if (
+                len(self.devices) == 1
+                and isinstance(value, jax.Array)
+                and value.committed
+                and value.sharding == self.single[0]
+            ):
+                # One device: an array on it is already replicated (a device_put, about
+                # 0.1 ms, would copy it each step).
+                return value
             return jax.device_put(value, self.replicated)
         copies = [
             value  # already there: a device_put would cost a dispatch per step
@@ -284,7 +293,8 @@ def _signature(
 
 @dataclass
 class _Output:
-    kind: str  # "split" | "replicated" | "input" | "static" | "variable" | "component"
+    # "split" | "replicated" | "input" | "static" | "variable" | "component" | "empty"
+    kind: str
     index: int = 0  # into the split / replicated outputs, the input leaf, or the variables
     scalar: bool = False
     obj: Any = None
@@ -317,6 +327,8 @@ class _Program:
     # ProcessGroup.agree), and the program compiled ahead of its first call.
     signature: bytes = b""
     executable: Any = None
+    # One device, one process: rank-0 results come out of the program rank 0.
+    squeezed: bool = False
 
 
 class _Call(threading.local):
@@ -400,23 +412,30 @@ def _packed_psum(arrays: list[Any], bytes_per_pack: int) -> list[Any]:
     so that the program holds one all-reduce operand per pack. (XLA's CPU runtime runs
     each operand of an all-reduce as its own cross-process collective: 64 arrays took 6x
     longer than one pack.) Weakly typed arrays keep their own operand, and their type."""
-    weak = [bool(getattr(getattr(a, "aval", None), "weak_type", False)) for a in arrays]
-    dtypes = [None if w else a.dtype for a, w in zip(arrays, weak, strict=True)]
-    sizes = [a.size * a.dtype.itemsize for a in arrays]
+    out: list[Any] = [None] * len(arrays)
+    # An empty array's sum is itself; kept out of the packs, whose zero-width pieces
+    # crash XLA's compiler ("SmallVector unable to grow", jax 0.10).
+    nonempty = [i for i, a in enumerate(arrays) if a.size]
+    for i, a in enumerate(arrays):
+        if not a.size:
+            out[i] = a
+    kept = [arrays[i] for i in nonempty]
+    weak = [bool(getattr(getattr(a, "aval", None), "weak_type", False)) for a in kept]
+    dtypes = [None if w else a.dtype for a, w in zip(kept, weak, strict=True)]
+    sizes = [a.size * a.dtype.itemsize for a in kept]
     packs = pack_by_dtype(dtypes, sizes, bytes_per_pack)
     operands = [
-        arrays[p[0]] if len(p) == 1 else jnp.concatenate([arrays[i].reshape(-1) for i in p])
+        kept[p[0]] if len(p) == 1 else jnp.concatenate([kept[i].reshape(-1) for i in p])
         for p in packs
     ]
-    sums = psum(operands, replica_axis())
-    out: list[Any] = [None] * len(arrays)
+    sums = psum(operands, replica_axis()) if operands else []
     for pack, total in zip(packs, sums, strict=True):
         if len(pack) == 1:
-            out[pack[0]] = total
+            out[nonempty[pack[0]]] = total
             continue
-        ends = list(itertools.accumulate(arrays[i].size for i in pack))
+        ends = list(itertools.accumulate(kept[i].size for i in pack))
         for i, piece in zip(pack, jnp.split(total, ends[:-1]), strict=True):
-            out[i] = piece.reshape(arrays[i].shape)
+            out[nonempty[i]] = piece.reshape(kept[i].shape)
     return out
 
 
@@ -1056,6 +1075,10 @@ class CompiledRunner:
                     outputs.append(_Output("static", obj=leaf_value))
                 elif id(leaf_value) in entries:
                     outputs.append(_Output("input", index=entries[id(leaf_value)]))
+                elif not leaf_value.size:
+                    # No data: made outside the program. A zero-size output beside a
+                    # collective crashes XLA:CPU's compiler (jax 0.11.2).
+                    outputs.append(_Output("empty", obj=(leaf_value.shape, leaf_value.dtype)))
                 else:
                     # A merge_fn result handed to all replicas as one object comes back
                     # as one object (replica 0's copy).
@@ -1082,6 +1105,17 @@ class CompiledRunner:
             out_specs=(split_spec, pspec(), split_spec, split_spec),
         )
         program = _Program(jitted=jax.jit(mapped), leaves=leaves)
+        if len(mesh.devices) == 1 and not mesh.spans_processes:
+            # One device: the global outputs are the replica's values; rank-0 results
+            # lose their replica axis inside the program (a dispatch per step saved).
+            def single(*blocks: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+                split, replicated, new_values, checks = mapped(*blocks)
+                scalar = {o.index for o in program.outputs if o.kind == "split" and o.scalar}
+                split = [jnp.reshape(g, ()) if i in scalar else g for i, g in enumerate(split)]
+                return split, replicated, new_values, checks
+
+            program.jitted = jax.jit(single)
+            program.squeezed = True
         return program
 
     # -- outputs ----------------------------------------------------------------------
@@ -1096,15 +1130,18 @@ class CompiledRunner:
         variables: list[Variable],
     ) -> list[Any]:
         n = len(mesh.devices)
-        if traced or any(is_tracer(x) for x in (*split, *replicated)):
+        tracing = traced or any(is_tracer(x) for x in (*split, *replicated))
+        if tracing:
             scalar = {o.index for o in program.outputs if o.kind == "split" and o.scalar}
-            split_parts = [_slices(g, n, i in scalar) for i, g in enumerate(split)]
+            split_parts = [
+                [g] if program.squeezed else _slices(g, n, i in scalar) for i, g in enumerate(split)
+            ]
             replicated_parts = [[jnp.array(g, copy=True) for _ in range(n)] for g in replicated]
         else:
             split_parts = [_shards(g, mesh) for g in split]
             replicated_parts = [_shards(g, mesh) for g in replicated]
             scalars = [o.index for o in program.outputs if o.kind == "split" and o.scalar]
-            if scalars:
+            if scalars and not program.squeezed:
                 squeezed = _per_device(_to_scalar, [split_parts[i] for i in scalars])
                 for i, parts in zip(scalars, squeezed, strict=True):
                     split_parts[i] = parts
@@ -1123,6 +1160,12 @@ class CompiledRunner:
                     leaves.append(variables[out.index])
                 elif out.kind == "component":
                     leaves.append(_variables._components(variables[out.index])[r])
+                elif out.kind == "empty":
+                    shape, dtype = out.obj
+                    empty = np.zeros(shape, dtype)
+                    leaves.append(
+                        jnp.asarray(empty) if tracing else jax.device_put(empty, mesh.devices[r])
+                    )
                 else:
                     leaves.append(out.obj)
             results.append(_nest.unflatten(program.out_spec, leaves))
@@ -1153,6 +1196,8 @@ def _mark_diverged(
 
 
 def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
+    if len(mesh.devices) == 1 and not mesh.spans_processes:
+        return [global_array]  # the one replica's value, on its device
     parts: list[Any] = [None] * len(mesh.devices)
     for shard in global_array.addressable_shards:
         parts[mesh.index[shard.device]] = shard.data

@@ -52,12 +52,27 @@ class TorchBackend:
         timeout_seconds: how long one replica may run between two collectives
             before it is reported as stuck (default ``$POLYDIST_TIMEOUT_SECONDS``
             or 300).
+        replica_default_device: whether factory functions called in a replica
+            without ``device=`` (``torch.zeros(3)``) make their tensor on the
+            replica's device, as TF places a replica's ops (default ``True``). It
+            uses ``torch.device`` as a context, a torch function mode that every
+            torch call in the replica then passes through: on a GPU that costs a
+            few microseconds per call (measured on an H200: 0.35 ms on a 1.6 ms
+            MLP step, ``docs/benchmarks.md``). ``False`` keeps torch's default
+            device, as ``DataParallel`` does; the current CUDA device is the
+            replica's either way.
     """
 
     name = "torch"
     version = _VERSION
 
-    def __init__(self, reduction: Reduction = "auto", *, timeout_seconds: float | None = None):
+    def __init__(
+        self,
+        reduction: Reduction = "auto",
+        *,
+        timeout_seconds: float | None = None,
+        replica_default_device: bool = True,
+    ):
         if reduction not in ("auto", "sequential", "nccl"):
             raise ValueError(
                 f"Unknown reduction {reduction!r}: expected 'auto', 'sequential' or 'nccl'."
@@ -65,6 +80,7 @@ class TorchBackend:
         if reduction == "auto":
             reduction = "nccl" if cuda_device_count() > 1 else "sequential"
         self.reduction: _collectives.Algorithm = reduction
+        self.replica_default_device = replica_default_device
         self.capabilities = Capabilities(
             execution_model="eager",
             # NCCL's summation order is its own; only the sequential sum is reproducible.
@@ -83,7 +99,8 @@ class TorchBackend:
         )
 
     def __repr__(self) -> str:
-        return f"TorchBackend(reduction={self.reduction!r})"
+        extra = "" if self.replica_default_device else ", replica_default_device=False"
+        return f"TorchBackend(reduction={self.reduction!r}{extra})"
 
     # -- devices -------------------------------------------------------------------
     def array_namespace(self) -> Any:
@@ -143,7 +160,7 @@ class TorchBackend:
                 torch_device(d)  # raises the message for TPU/XLA devices
 
     def device_scope(self, device: str) -> contextlib.AbstractContextManager[Any]:
-        return _device_scope(torch_device(device))
+        return _device_scope(torch_device(device), self.replica_default_device)
 
     def place(self, value: Any, device: str) -> Any:
         target = torch_device(device)
@@ -236,7 +253,8 @@ def _to_cuda(array: np.ndarray, target: torch.device) -> torch.Tensor:
     work on the result.
     """
     dtype = torch.from_numpy(np.empty(0, dtype=array.dtype)).dtype
-    host = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+    # device="cpu": inside a GPU replica torch's default device is the GPU.
+    host = torch.empty(array.shape, dtype=dtype, pin_memory=True, device="cpu")
     if array.size:
         host.numpy()[...] = array
     return host.to(target, non_blocking=True)
@@ -285,7 +303,7 @@ class _ThreadState:
 
 
 @contextlib.contextmanager
-def _device_scope(device: torch.device) -> Iterator[None]:
+def _device_scope(device: torch.device, default_device: bool = True) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         # Keep a replica's backward pass on its own thread (the autograd engine
         # otherwise runs CUDA work on device threads), so its collectives can
@@ -293,7 +311,7 @@ def _device_scope(device: torch.device) -> Iterator[None]:
         stack.enter_context(torch.autograd.set_multithreading_enabled(False))
         if device.type == "cuda":
             stack.enter_context(torch.cuda.device(device))
-        if torch.get_default_device() != device:
+        if default_device and torch.get_default_device() != device:
             # torch.device as a context makes factory functions (torch.zeros, ...)
             # land on the replica's device; skipped when that is already the default.
             stack.enter_context(device)
