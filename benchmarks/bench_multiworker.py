@@ -363,6 +363,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=["torch", "jax"], action="append")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument(
+        "--name", default=NAME, help=f"results file benchmarks/results/NAME.json ({NAME})"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("ENGINE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -372,7 +375,7 @@ def main() -> int:
     if not engines:
         print("bench_multiworker: neither polydist_torch nor polydist_jax is installed; skipped")
         return 0
-    path = RESULTS / f"{NAME}.json"
+    path = RESULTS / f"{args.name}.json"
     previous: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     rows = [  # other engines' rows, unless written by an older version of this script
         r for r in previous.get("rows", []) if r.get("engine") not in engines and "arrays" in r

@@ -210,23 +210,35 @@ def test_a_loop_that_never_reads_its_results_does_not_stall_xla_cpu(
 
 
 @pytest.mark.parametrize("outer_jit", [False, True])
-def test_empty_results_beside_a_collective(jax_backend: JaxBackend, outer_jit: bool) -> None:
-    # Zero-size results are made outside the compiled program: one beside a collective
-    # crashed XLA:CPU's compiler (jax 0.11.2, found on a GPU machine's CPU).
+def test_empty_arrays_beside_a_collective(jax_backend: JaxBackend, outer_jit: bool) -> None:
+    # Zero-size inputs and results are made inside / outside the compiled program, never
+    # passed in or out: beside a collective either crashed XLA:CPU's compiler (jax 0.11.2,
+    # found on a GPU machine's CPU).
     strategy = pd.MirroredStrategy(4, backend=jax_backend)
     devices = jax.devices()[:4]
+    shared = np.zeros((0, 2), np.float32)
+    own = strategy.experimental_distribute_values_from_function(
+        lambda c: jnp.zeros((0,), jnp.int32) + c.replica_id_in_sync_group
+    )
 
-    def fn() -> Any:
-        x = jnp.ones((3,), jnp.float32)
-        return ctx().all_reduce("SUM", x), jnp.zeros((2, 0), jnp.int8), x[:0] + replica_id()
+    def fn(shared: Any, own: Any) -> Any:
+        x = jnp.ones((3,), jnp.float32) + shared.sum() + own.sum()
+        empty = jnp.zeros((2, 0), jnp.int8)
+        return ctx().all_reduce("SUM", x), empty, x[:0] + replica_id(), shared, own
 
     def run() -> Any:
-        return strategy.run(fn)
+        return strategy.run(fn, (shared, own))
 
     results = jax.jit(run)() if outer_jit else run()
-    total, empty, sliced = [strategy.experimental_local_results(v) for v in results]
+    total, empty, sliced, shared_back, own_back = [
+        strategy.experimental_local_results(v) for v in results
+    ]
     if not outer_jit:
         assert [e.devices() for e in empty] == [{d} for d in devices]
+        assert shared_back == (shared,)  # a shared input handed back is that input
+        assert list(own_back) == list(strategy.experimental_local_results(own))
     assert [np.asarray(t).tolist() for t in total] == [[4.0, 4.0, 4.0]] * 4
     assert [(e.shape, e.dtype) for e in empty] == [((2, 0), jnp.int8)] * 4
     assert [(s.shape, s.dtype) for s in sliced] == [((0,), jnp.float32)] * 4
+    assert {(s.shape, s.dtype) for s in shared_back} == {((0, 2), np.dtype(np.float32))}
+    assert [(o.shape, o.dtype) for o in own_back] == [((0,), jnp.int32)] * 4

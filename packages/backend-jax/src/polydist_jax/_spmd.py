@@ -79,6 +79,9 @@ __all__ = ["CompiledRunner", "Uneven"]
 CACHE_SIZE = 256
 
 _REPLICA, _SHARED, _STATIC, _VARIABLE = "replica", "shared", "static", "variable"
+# A zero-size array input: made inside the program (it holds no data). As a program
+# input beside a collective it crashes XLA:CPU's compiler (jax 0.11.2).
+_EMPTY = "empty"
 
 
 class Uneven(Exception):
@@ -239,7 +242,7 @@ def _is_variable(x: object) -> bool:
 class _Leaf:
     """How one input leaf reaches the replica function."""
 
-    kind: str  # _REPLICA | _SHARED | _STATIC | _VARIABLE
+    kind: str  # _REPLICA | _SHARED | _STATIC | _VARIABLE | _EMPTY
     obj: Any = None  # the static object; for _VARIABLE the position among the variables
     shape: tuple[int, ...] = ()
     dtype: Any = None
@@ -851,6 +854,14 @@ class CompiledRunner:
         units: list[tuple[int, list[Any]]] = []  # rank-0 jax components to reshape to [1]
         for column in columns:
             first = column[0]
+            if all(
+                getattr(v, "size", 1) == 0 and _is_array(v) and not is_tracer(v) for v in column
+            ):
+                avals = {_aval(v) for v in column}
+                if len(avals) == 1:  # else: uneven, reported below
+                    shape, dtype = avals.pop()
+                    leaves.append(_Leaf(_EMPTY, shape=shape, dtype=dtype))
+                    continue
             if all(v is first for v in column[1:]):
                 if _is_variable(first):
                     # A variable reaches the replicas whole: fn gets the variable object,
@@ -992,7 +1003,7 @@ class CompiledRunner:
         strategy = extended._container_strategy()
         devices = tuple(extended.worker_devices)
         n = len(devices)
-        dynamic = [leaf for leaf in leaves if leaf.kind not in (_STATIC, _VARIABLE)]
+        dynamic = [leaf for leaf in leaves if leaf.kind not in (_STATIC, _VARIABLE, _EMPTY)]
         split_spec = pspec(mesh.axis)
         in_specs = tuple(split_spec if leaf.kind == _REPLICA else pspec() for leaf in dynamic)
         # The variables' copies follow the other inputs: split (one copy per replica), or
@@ -1020,6 +1031,11 @@ class CompiledRunner:
                     continue
                 if leaf.kind == _VARIABLE:
                     values.append(variables[leaf.obj])
+                    continue
+                if leaf.kind == _EMPTY:
+                    block = jnp.zeros(leaf.shape, leaf.dtype[0])
+                    entries[id(block)] = i
+                    values.append(block)
                     continue
                 block = next(it)
                 if leaf.kind == _REPLICA and not leaf.shape:
