@@ -165,6 +165,8 @@ class TorchBackend:
     def place(self, value: Any, device: str) -> Any:
         target = torch_device(device)
         if isinstance(value, torch.Tensor):
+            if value.device == target:
+                return value  # a .to call would cost a pass through a replica's mode
             # A copy from pinned host memory to a GPU may run asynchronously; torch
             # orders it before any later use of the result on the GPU's stream.
             pinned = target.type == "cuda" and value.device.type == "cpu" and value.is_pinned()

@@ -48,7 +48,9 @@ def _sum_sequential(values: Sequence[torch.Tensor], device: torch.device) -> tor
 
 def _copies(value: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tensor]:
     """``value`` itself on the first device (moved if needed), fresh copies on the others."""
-    first = value.to(devices[0])
+    # The device test spares a .to call, which in a GPU replica passes through the
+    # replica's torch function mode (a few microseconds each).
+    first = value if value.device == devices[0] else value.to(devices[0])
     return [first, *(value.to(d, copy=True) for d in devices[1:])]
 
 
