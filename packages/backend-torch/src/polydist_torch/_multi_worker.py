@@ -380,6 +380,53 @@ def _unwire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.view(dtype)
 
 
+# torch.cuda.is_initialized has no annotations.
+_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
+
+
+def _split_local_gpus(requested: int | None) -> int | None:
+    """Each worker's own GPUs, where a launcher starts several workers on this machine.
+
+    torchrun (and ``polydist launch``) set ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; TF's
+    rule would give every worker all of this machine's GPUs, and NCCL refuses two
+    ranks on one GPU. So with k workers here and at least k visible GPUs, worker
+    ``LOCAL_RANK`` keeps its share (``requested`` GPUs each, else an even split) by
+    narrowing ``CUDA_VISIBLE_DEVICES`` before CUDA starts, as one would by hand.
+    Returns how many GPUs it keeps, or None where nothing is split: one worker per
+    machine, no GPUs, or fewer visible GPUs than workers (already narrowed by hand).
+    """
+    try:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return None
+    gpus = cuda_device_count()
+    if local_world <= 1 or gpus < local_world:
+        return None
+    per = gpus // local_world if requested is None else requested
+    where = (
+        f"LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world} workers on a machine "
+        f"where torch sees {gpus} GPUs"
+    )
+    if per < 1 or per * local_world > gpus or not 0 <= local_rank < local_world:
+        raise ValueError(
+            f"local_devices={requested} cannot give each worker its own GPUs: {where}. "
+            f"Ask for at most {gpus // local_world} per worker, or start fewer workers."
+        )
+    if _cuda_initialized():
+        raise ValueError(
+            f"This worker cannot get its own GPUs ({where}): CUDA is already initialized in "
+            "this process. Create the strategy before any CUDA work, or set "
+            "CUDA_VISIBLE_DEVICES for each worker yourself."
+        )
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [v.strip() for v in listed.split(",")] if listed else [str(i) for i in range(gpus)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+        visible[local_rank * per : (local_rank + 1) * per]
+    )
+    return per
+
+
 class TorchProcessGroupBackend(TorchBackend):
     """The torch backend with ``Capabilities.multi_worker``: one process per worker.
 
@@ -498,7 +545,11 @@ class TorchProcessGroupBackend(TorchBackend):
         return (worker_index,)
 
     def local_device_count(self, requested: int | None) -> tuple[str, int] | None:
-        """``local_devices=N``: the first N CUDA devices, or N virtual CPU replicas."""
+        """``local_devices=N``: the first N CUDA devices, or N virtual CPU replicas. With
+        several workers on this machine, each first gets its own GPUs (`_split_local_gpus`)."""
+        shared = _split_local_gpus(requested)
+        if shared is not None:
+            return "GPU", shared
         if requested is None:
             return None  # TF's rule: this machine's GPUs, else one CPU replica
         gpus = cuda_device_count()
