@@ -419,3 +419,55 @@ def test_deepcopy(tf_config: SetConfig) -> None:
     assert clone.extended.worker_devices == strategy.extended.worker_devices
     assert clone.extended.backend is strategy.extended.backend
     assert [int(v) for v in clone.run(replica_id).values] == [0, 1, 2, 3]
+
+
+class _PackRecordingSim(SimBackend):
+    """The sim, with a `batch_all_reduce` that records each nest's bytes_per_pack."""
+
+    def __init__(self, replica_mode: Any = "greenlet") -> None:
+        super().__init__("sequential", replica_mode=replica_mode)
+        self.packs: list[int] = []
+
+    def batch_all_reduce(self, columns: Any, destinations: Any, bytes_per_pack: int) -> Any:
+        self.packs.append(bytes_per_pack)
+        return [self.all_reduce(column, destinations) for column in columns]
+
+
+@pytest.mark.parametrize("mode", ["greenlet", "thread"])
+def test_a_calls_options_are_merged_over_the_strategys(mode: str) -> None:
+    # TF merges a collective's options over the strategy's: a non-default value wins.
+    backend = _PackRecordingSim(mode)
+    options = CommunicationOptions(bytes_per_pack=8)
+    strategy = pd.MultiWorkerMirroredStrategy(communication_options=options, backend=backend)
+    nest = [np.ones(2, np.float32), np.arange(3, dtype=np.float32)]
+
+    def step(call_options: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce("SUM", nest, options=call_options)
+
+    for call in (None, CommunicationOptions(bytes_per_pack=32), CommunicationOptions()):
+        total = strategy.run(step, (call,))
+        assert [t.tolist() for t in total] == [[1.0, 1.0], [0.0, 1.0, 2.0]]
+    assert backend.packs == [8, 32, 8]
+    mirrored = pd.MirroredStrategy(2, backend=backend)
+    mirrored.run(step, (CommunicationOptions(bytes_per_pack=16),))
+    assert backend.packs[-1] == 16
+
+
+def test_a_collectives_options_must_be_communication_options() -> None:
+    strategy = pd.MirroredStrategy(2, backend=SimBackend())
+    ctx_error = "options must be a polydist.experimental.CommunicationOptions or None, got dict"
+
+    def bad() -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce("SUM", 1.0, options={"bytes_per_pack": 8})
+
+    with pytest.raises(TypeError, match=ctx_error):
+        strategy.run(bad)
+    value = strategy.experimental_distribute_values_from_function(lambda c: np.float32(1))
+    with pytest.raises(TypeError, match=ctx_error):
+        strategy.extended.batch_reduce_to("SUM", [(value, "/cpu:0")], options={})
+    with pytest.raises(TypeError, match=ctx_error):
+        strategy.extended.reduce_to("SUM", value, "/cpu:0", options={})

@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from polydist import _context, _nest, _trace, _variables
+from polydist import _communication, _context, _nest, _trace, _variables
 from polydist._arrays import convert_to_array, describe, dtype_name
 from polydist._reduce_op import ReduceOp
 from polydist._replica_context import ReplicaContext
@@ -473,7 +473,7 @@ class SpmdChannel:
             # copies in and out: 10% on the CPU MLP benchmark's step).
             return list(psum(arrays, replica_axis()))
         options = getattr(self._strategy.extended, "_communication_options", None)
-        return _packed_psum(arrays, options.bytes_per_pack if options is not None else 0)
+        return _packed_psum(arrays, _communication.bytes_per_pack(options))
 
     def all_gather(self, values: Sequence[Any], axis: int) -> list[Any]:
         out = []

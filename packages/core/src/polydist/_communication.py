@@ -8,9 +8,12 @@ meant to diagnose) raises ``CollectiveMismatchError`` at once instead.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import enum
 import math
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -132,3 +135,49 @@ def CollectiveHints(
 ) -> CommunicationOptions:
     """Deprecated: use `CommunicationOptions` (which this returns, as TF does)."""
     return CommunicationOptions(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds)
+
+
+# The options of the collective being issued on this thread (or greenlet), as passed to
+# ReplicaContext.all_reduce / reduce_to / batch_reduce_to: read where it is packed.
+_CALL_OPTIONS: contextvars.ContextVar[CommunicationOptions | None] = contextvars.ContextVar(
+    "polydist_call_options", default=None
+)
+
+
+def check_call_options(options: Any) -> CommunicationOptions | None:
+    """A collective's ``options`` argument: None or ``CommunicationOptions``."""
+    if options is None or isinstance(options, CommunicationOptions):
+        return options
+    raise TypeError(
+        "options must be a polydist.experimental.CommunicationOptions or None, got "
+        f"{type(options).__name__} {options!r}."
+    )
+
+
+@contextlib.contextmanager
+def call_options(options: Any) -> Iterator[None]:
+    """Makes ``options`` (checked) the options of the collectives issued inside."""
+    checked = check_call_options(options)
+    if checked is None:
+        yield
+        return
+    token = _CALL_OPTIONS.set(checked)
+    try:
+        yield
+    finally:
+        _CALL_OPTIONS.reset(token)
+
+
+def call_bytes_per_pack() -> int | None:
+    """The pack size the current call asks for, or None (the strategy's applies)."""
+    options = _CALL_OPTIONS.get()
+    return options.bytes_per_pack if options is not None and options.bytes_per_pack else None
+
+
+def bytes_per_pack(strategy_options: CommunicationOptions | None) -> int:
+    """The pack size of the collective being issued: the call's options merged over the
+    strategy's, as TF merges them (a non-default value of the call's wins)."""
+    asked = call_bytes_per_pack()
+    if asked is not None:
+        return asked
+    return strategy_options.bytes_per_pack if strategy_options is not None else 0

@@ -40,6 +40,7 @@ from polydist import _context, _trace
 from polydist._arrays import dtype_name
 from polydist._backend import batch_all_reduce
 from polydist._collective_check import collective_intent
+from polydist._communication import call_bytes_per_pack
 from polydist._reduce_op import ReduceOp
 from polydist._values import regroup, select_replica
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
@@ -66,13 +67,16 @@ def default_timeout() -> float:
 
 
 class _SyncRequest:
-    __slots__ = ("_frame", "kind", "payload", "signature")
+    __slots__ = ("_frame", "bytes_per_pack", "kind", "payload", "signature")
 
     def __init__(self, kind: str, signature: tuple[Any, ...], payload: Any, frame: FrameType):
         self.kind = kind  # "all_reduce" | "all_gather" | "merge_call"
         self.signature = signature
         self.payload = payload
         self._frame = frame
+        # The call's CommunicationOptions.bytes_per_pack (None: the strategy's), read on
+        # the replica's own thread or greenlet.
+        self.bytes_per_pack = call_bytes_per_pack()
 
     @property
     def source(self) -> str:
@@ -505,7 +509,9 @@ class _Run:
             columns = [[leaves[i] for leaves in placed] for i in range(len(first.payload))]
             start = time.perf_counter() if timed else 0.0
             with intent:
-                sums = batch_all_reduce(backend, columns, devices, self.bytes_per_pack)
+                asked = first.bytes_per_pack
+                packing = self.bytes_per_pack if asked is None else asked
+                sums = batch_all_reduce(backend, columns, devices, packing)
             duration = time.perf_counter() - start if timed else None
             for reduced in sums:
                 for r, out in enumerate(outputs):

@@ -67,7 +67,7 @@ from polydist._collective_check import (
     checks_enabled,
     collective_intent,
 )
-from polydist._communication import CommunicationOptions
+from polydist._communication import CommunicationOptions, bytes_per_pack
 from polydist._devices import HOST_DEVICE, DeviceSpec
 from polydist._eager import EagerReplicaRunner
 from polydist._indexed_slices import IndexedSlices
@@ -481,7 +481,7 @@ class MultiProcessExtended(MultiWorkerExtended):
         backend, n = self._backend, self._num_replicas_in_sync
         with collective_intent(reduce_op.value):
             sums = batch_all_reduce(
-                backend, columns, devices, self._communication_options.bytes_per_pack
+                backend, columns, devices, bytes_per_pack(self._communication_options)
             )
         results: list[Any] = []
         for column, reduced in zip(columns, sums, strict=True):

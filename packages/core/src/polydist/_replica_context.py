@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 from polydist import _context, _nest
 from polydist._arrays import check_summable, convert_to_array, is_array, mean_from_sum
 from polydist._backend import ReplicaChannel
+from polydist._communication import call_options, check_call_options
 from polydist._reduce_op import ReduceOp, as_reduce_op
 from polydist.errors import InvalidArgumentError
 
@@ -115,10 +116,14 @@ class ReplicaContext:
 
         Every replica gets the result. MEAN of integers gives float64, as in
         TF. The gradient of an all-reduce is the all-reduce of the upstream
-        gradient (on backends with autodiff).
+        gradient (on backends with autodiff). ``options``, a
+        ``CommunicationOptions``, is merged over the strategy's as in TF: its
+        ``bytes_per_pack`` packs this nest across workers (its
+        ``timeout_seconds`` is not applied: see docs/multi-host.md).
         """
         _context.require_replica_context(self)
         reduce_op = as_reduce_op(reduce_op)
+        check_call_options(options)
         if self._channel is None:
             return _variables_snapshot(value)
         # One flatten; a variable contributes this replica's copy (its current array).
@@ -129,7 +134,11 @@ class ReplicaContext:
             flat = [_operand(x) for x in flat]
         arrays = [convert_to_array(x) for x in flat]
         check_summable(reduce_op, arrays)
-        summed = self._channel.all_reduce(reduce_op, arrays)
+        if options is None:
+            summed = self._channel.all_reduce(reduce_op, arrays)
+        else:
+            with call_options(options):  # its bytes_per_pack packs this nest
+                summed = self._channel.all_reduce(reduce_op, arrays)
         n = self.num_replicas_in_sync
         if reduce_op is ReduceOp.MEAN and n > 1:
             xp = self._strategy.extended._backend.array_namespace()
@@ -143,6 +152,7 @@ class ReplicaContext:
         replicas (except on TPU); other dimensions must match.
         """
         _context.require_replica_context(self)
+        check_call_options(options)
         flat, spec = _nest.flatten(_variables_snapshot(value))
         arrays = [convert_to_array(x) for x in flat]
         for a in arrays:

@@ -18,6 +18,7 @@ from polydist._arrays import (
     mean_from_sum,
 )
 from polydist._backend import Backend, get_backend
+from polydist._communication import call_options
 from polydist._devices import HOST_DEVICE, canonicalize
 from polydist._extended_mixin import ExtendedVariablesMixin
 from polydist._indexed_slices import IndexedSlices
@@ -155,7 +156,8 @@ class StrategyExtended(ExtendedVariablesMixin):
         """
         reduce_op = _check_reduce_op(reduce_op)
         _context.require_cross_replica_or_default_context(self._container_strategy())
-        return self._reduce_to(reduce_op, value, destinations)
+        with call_options(options):
+            return self._reduce_to(reduce_op, value, destinations)
 
     def batch_reduce_to(
         self,
@@ -166,13 +168,14 @@ class StrategyExtended(ExtendedVariablesMixin):
         """``reduce_to`` over a list of ``(value, destinations)`` pairs."""
         reduce_op = _check_reduce_op(reduce_op)
         _context.require_cross_replica_or_default_context(self._container_strategy())
-        if self._cross_device_ops is not None:  # TF: cross_device_ops.batch_reduce
-            batched = _cross_device_ops.strategy_batch_reduce(
-                self, reduce_op, list(value_destination_pairs)
-            )
-            if batched is not None:
-                return batched
-        return self._batch_reduce_to(reduce_op, list(value_destination_pairs))
+        with call_options(options):  # its bytes_per_pack packs the batch across workers
+            if self._cross_device_ops is not None:  # TF: cross_device_ops.batch_reduce
+                batched = _cross_device_ops.strategy_batch_reduce(
+                    self, reduce_op, list(value_destination_pairs)
+                )
+                if batched is not None:
+                    return batched
+            return self._batch_reduce_to(reduce_op, list(value_destination_pairs))
 
     def _batch_reduce_to(self, reduce_op: ReduceOp, pairs: list[tuple[Any, Any]]) -> list[Any]:
         """`batch_reduce_to` without cross-device ops: one `_reduce_to` per pair (a
