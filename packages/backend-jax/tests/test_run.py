@@ -242,3 +242,15 @@ def test_empty_arrays_beside_a_collective(jax_backend: JaxBackend, outer_jit: bo
     assert [(s.shape, s.dtype) for s in sliced] == [((0,), jnp.float32)] * 4
     assert {(s.shape, s.dtype) for s in shared_back} == {((0, 2), np.dtype(np.float32))}
     assert [(o.shape, o.dtype) for o in own_back] == [((0,), jnp.int32)] * 4
+
+
+def test_the_replica_id_stays_concrete_after_a_read_inside_a_jitted_helper() -> None:
+    # Eager replicas: the id is placed before fn runs, so a first read inside a traced
+    # helper cannot turn it into a tracer that later reads would leak.
+    strategy = pd.MirroredStrategy(2, backend=JaxBackend(jit=False))
+
+    def fn() -> Any:
+        doubled = jax.jit(lambda: replica_id() * 2)()
+        return doubled + replica_id()
+
+    assert [int(v) for v in strategy.experimental_local_results(strategy.run(fn))] == [0, 3]

@@ -218,3 +218,21 @@ def test_error_on_one_replica_unwinds_the_others_paused_in_backward() -> None:
         s.run(step)
     # Replicas 0 and 1 were paused inside autograd's engine; they unwound through it.
     assert len(unwound) == 2
+
+
+def test_the_replica_id_read_first_under_inference_mode_still_works_with_autograd() -> None:
+    # The id is made before fn runs, outside fn's inference_mode: a later use in a
+    # differentiable computation may save it for backward.
+    strategy = pd.MirroredStrategy(["/cpu:0", "/cpu:1"], backend=TorchBackend())
+
+    def fn() -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        with torch.inference_mode():
+            ctx.replica_id_in_sync_group.item()
+        w = torch.ones(2, requires_grad=True)
+        (w * (ctx.replica_id_in_sync_group + 1)).sum().backward()
+        return w.grad
+
+    grads = strategy.experimental_local_results(strategy.run(fn))
+    assert [g.tolist() for g in grads] == [[1.0, 1.0], [2.0, 2.0]]

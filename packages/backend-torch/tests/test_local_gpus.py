@@ -1,7 +1,6 @@
-"""Several workers on one machine each get their own GPUs (torchrun's one process per GPU).
+"""Several workers on one host must not claim the same GPUs (torchrun --nproc-per-node=K).
 
-No GPU is needed: the GPU count and CUDA's state are patched, and the test reads the
-``CUDA_VISIBLE_DEVICES`` a worker would start CUDA with.
+No GPU is needed: the GPU count is patched.
 """
 
 from __future__ import annotations
@@ -9,53 +8,43 @@ from __future__ import annotations
 import pytest
 
 from polydist_torch import _multi_worker
-from polydist_torch._multi_worker import TorchProcessGroupBackend, _split_local_gpus
-
-VISIBLE = "CUDA_VISIBLE_DEVICES"
+from polydist_torch._multi_worker import TorchProcessGroupBackend
 
 
 @pytest.fixture
-def machine(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """8 GPUs, CUDA not started, worker 2 of 4 on this machine."""
+def host(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """8 GPUs, 4 workers on this host, nothing narrowed."""
     monkeypatch.setattr(_multi_worker, "cuda_device_count", lambda: 8)
-    monkeypatch.setattr(_multi_worker, "_cuda_initialized", lambda: False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "2")
-    monkeypatch.delenv(VISIBLE, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return monkeypatch
 
 
-def test_an_even_split_by_local_rank(machine: pytest.MonkeyPatch) -> None:
-    assert TorchProcessGroupBackend().local_device_count(None) == ("GPU", 2)
-    assert _multi_worker.os.environ[VISIBLE] == "4,5"
-
-
-def test_local_devices_per_worker_and_a_listed_visible_set(machine: pytest.MonkeyPatch) -> None:
-    machine.setenv(VISIBLE, "0, 2,4,6,8,10,12,14")  # the launcher's own list is split
-    assert _split_local_gpus(1) == 1
-    assert _multi_worker.os.environ[VISIBLE] == "4"
-
-
-def test_nothing_is_split_for_one_worker_or_an_already_narrowed_set(
-    machine: pytest.MonkeyPatch,
+@pytest.mark.parametrize("requested", [None, 1])
+def test_workers_that_would_share_gpus_are_told_how_to_split_them(
+    host: pytest.MonkeyPatch, requested: int | None
 ) -> None:
-    machine.setenv("LOCAL_WORLD_SIZE", "1")
-    assert _split_local_gpus(None) is None
-    machine.setenv("LOCAL_WORLD_SIZE", "4")
-    machine.setattr(_multi_worker, "cuda_device_count", lambda: 1)  # one GPU each already
-    assert _split_local_gpus(None) is None
-    machine.setattr(_multi_worker, "cuda_device_count", lambda: 0)  # a CPU machine
-    assert _split_local_gpus(None) is None
-    assert VISIBLE not in _multi_worker.os.environ
+    with pytest.raises(
+        ValueError,
+        match=r"4 workers run on this host \(LOCAL_WORLD_SIZE=4\), and each would use the 8 "
+        r"GPU\(s\).*CUDA_VISIBLE_DEVICES=\$LOCAL_RANK",
+    ):
+        TorchProcessGroupBackend().local_device_count(requested)
 
 
-def test_too_many_gpus_per_worker_is_an_error(machine: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"local_devices=3 .*Ask for at most 2 per worker"):
-        _split_local_gpus(3)
-    assert VISIBLE not in _multi_worker.os.environ
-
-
-def test_cuda_already_started_is_an_error(machine: pytest.MonkeyPatch) -> None:
-    machine.setattr(_multi_worker, "_cuda_initialized", lambda: True)
-    with pytest.raises(ValueError, match="CUDA is already initialized .*CUDA_VISIBLE_DEVICES"):
-        _split_local_gpus(None)
+def test_gpus_given_per_worker_one_worker_per_host_or_no_gpus_pass(
+    host: pytest.MonkeyPatch,
+) -> None:
+    backend = TorchProcessGroupBackend()
+    host.setenv("CUDA_VISIBLE_DEVICES", "2")  # set for this worker: taken as its own
+    host.setattr(_multi_worker, "cuda_device_count", lambda: 1)
+    assert backend.local_device_count(None) is None  # TF's rule: the GPU it sees
+    assert backend.local_device_count(1) == ("GPU", 1)
+    host.delenv("CUDA_VISIBLE_DEVICES")
+    host.setenv("LOCAL_WORLD_SIZE", "1")  # one worker per host: all of its GPUs
+    host.setattr(_multi_worker, "cuda_device_count", lambda: 8)
+    assert backend.local_device_count(8) == ("GPU", 8)
+    host.setenv("LOCAL_WORLD_SIZE", "4")
+    host.setattr(_multi_worker, "cuda_device_count", lambda: 0)  # CPU replicas
+    assert backend.local_device_count(2) == ("CPU", 2)

@@ -1213,7 +1213,11 @@ def _mark_diverged(
 
 def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
     if len(mesh.devices) == 1 and not mesh.spans_processes:
-        return [global_array]  # the one replica's value, on its device
+        # The one replica's value, as it would come back in: replicated as is (the
+        # program's own input sharding), else its buffer on the device.
+        if global_array.sharding == mesh.replicated:
+            return [global_array]
+        return [global_array.addressable_data(0)]
     parts: list[Any] = [None] * len(mesh.devices)
     for shard in global_array.addressable_shards:
         parts[mesh.index[shard.device]] = shard.data

@@ -33,7 +33,6 @@ def cuda_device_count() -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=256)  # called per value and collective; devices are few
 def torch_device(device: str) -> torch.device:
     """The torch device behind a TF device string (``/gpu:1``) or a torch one (``cuda:1``)."""
     spec = DeviceSpec.parse(device)

@@ -380,51 +380,31 @@ def _unwire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.view(dtype)
 
 
-# torch.cuda.is_initialized has no annotations.
-_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
+def _check_workers_own_their_gpus() -> None:
+    """Several workers on this host must not use the same GPUs.
 
-
-def _split_local_gpus(requested: int | None) -> int | None:
-    """Each worker's own GPUs, where a launcher starts several workers on this machine.
-
-    torchrun (and ``polydist launch``) set ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; TF's
-    rule would give every worker all of this machine's GPUs, and NCCL refuses two
-    ranks on one GPU. So with k workers here and at least k visible GPUs, worker
-    ``LOCAL_RANK`` keeps its share (``requested`` GPUs each, else an even split) by
-    narrowing ``CUDA_VISIBLE_DEVICES`` before CUDA starts, as one would by hand.
-    Returns how many GPUs it keeps, or None where nothing is split: one worker per
-    machine, no GPUs, or fewer visible GPUs than workers (already narrowed by hand).
+    torchrun (and ``polydist launch``) set ``LOCAL_WORLD_SIZE``; TF's rule gives every
+    worker all the GPUs it sees, from ``cuda:0``, and NCCL refuses two ranks on one
+    GPU. A worker cannot narrow its GPUs itself once torch has asked CUDA for them
+    (``torch.cuda.is_available()`` fixes the set), so it raises, before any collective,
+    saying how to give each worker its own. ``CUDA_VISIBLE_DEVICES`` set for the
+    worker is taken as that.
     """
     try:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError:
-        return None
+        return
+    if local_world <= 1 or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return
     gpus = cuda_device_count()
-    if local_world <= 1 or gpus < local_world:
-        return None
-    per = gpus // local_world if requested is None else requested
-    where = (
-        f"LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world} workers on a machine "
-        f"where torch sees {gpus} GPUs"
-    )
-    if per < 1 or per * local_world > gpus or not 0 <= local_rank < local_world:
+    if gpus:
         raise ValueError(
-            f"local_devices={requested} cannot give each worker its own GPUs: {where}. "
-            f"Ask for at most {gpus // local_world} per worker, or start fewer workers."
+            f"{local_world} workers run on this host (LOCAL_WORLD_SIZE={local_world}), and "
+            f"each would use the {gpus} GPU(s) torch sees here, from cuda:0: NCCL refuses two "
+            "workers on one GPU. Give each worker its own GPUs before it starts, e.g. "
+            "`CUDA_VISIBLE_DEVICES=$LOCAL_RANK python train.py` (one GPU each), or run one "
+            "worker per host with all of its GPUs (torchrun --nproc-per-node=1, TF's layout)."
         )
-    if _cuda_initialized():
-        raise ValueError(
-            f"This worker cannot get its own GPUs ({where}): CUDA is already initialized in "
-            "this process. Create the strategy before any CUDA work, or set "
-            "CUDA_VISIBLE_DEVICES for each worker yourself."
-        )
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = [v.strip() for v in listed.split(",")] if listed else [str(i) for i in range(gpus)]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
-        visible[local_rank * per : (local_rank + 1) * per]
-    )
-    return per
 
 
 class TorchProcessGroupBackend(TorchBackend):
@@ -545,11 +525,8 @@ class TorchProcessGroupBackend(TorchBackend):
         return (worker_index,)
 
     def local_device_count(self, requested: int | None) -> tuple[str, int] | None:
-        """``local_devices=N``: the first N CUDA devices, or N virtual CPU replicas. With
-        several workers on this machine, each first gets its own GPUs (`_split_local_gpus`)."""
-        shared = _split_local_gpus(requested)
-        if shared is not None:
-            return "GPU", shared
+        """``local_devices=N``: the first N CUDA devices, or N virtual CPU replicas."""
+        _check_workers_own_their_gpus()
         if requested is None:
             return None  # TF's rule: this machine's GPUs, else one CPU replica
         gpus = cuda_device_count()

@@ -428,14 +428,11 @@ class _Run:
         self.slots: list[_Slot] = [slot_class(self, r) for r in range(len(per_replica_args))]
 
     def call_replica(self, slot: _Slot) -> Any:
-        from polydist._replica_context import DeferredReplicaId, ReplicaContext
+        from polydist._replica_context import ReplicaContext
 
         index = slot.index
         device = self.devices[index]
-        backend = self.backend
-        replica_id = DeferredReplicaId(
-            lambda: backend.place(np.asarray(index, dtype=np.int32), device)
-        )
+        replica_id = self.backend.place(np.asarray(index, dtype=np.int32), device)
         channel: ReplicaChannel = _EagerChannel(slot)
         if self.wrap_channel is not None:
             channel = self.wrap_channel(channel, index)

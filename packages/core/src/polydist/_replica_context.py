@@ -18,16 +18,6 @@ if TYPE_CHECKING:
 __all__ = ["ReplicaContext"]
 
 
-class DeferredReplicaId:
-    """A replica id made on first use: placing it on a GPU costs a host-to-device copy
-    per replica and run, which most replica functions never read."""
-
-    __slots__ = ("make",)
-
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self.make = make
-
-
 class ReplicaContext:
     """The context of one replica inside ``strategy.run``.
 
@@ -78,10 +68,7 @@ class ReplicaContext:
         Like TF, it is a (0-d) array, not a Python int: in a compiled (SPMD)
         backend it is a traced value.
         """
-        value = self._replica_id_in_sync_group
-        if isinstance(value, DeferredReplicaId):
-            value = self._replica_id_in_sync_group = value.make()
-        return value
+        return self._replica_id_in_sync_group
 
     @property
     def devices(self) -> tuple[str, ...]:
