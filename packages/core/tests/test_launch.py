@@ -344,3 +344,30 @@ def test_launch_argument_checks(tmp_path: Path) -> None:
         _launch.launch(1, script, timeout=-1)
     with pytest.raises(ValueError, match="out of range for 2 workers"):
         _launch.worker_environment(2, [1, 2])
+
+
+def test_gpus_per_worker_gives_each_worker_its_own_gpus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import os
+        print("gpus", os.environ["CUDA_VISIBLE_DEVICES"])
+        """,
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert main(["launch", "-n", "2", "--gpus-per-worker", "2", script]) == 0
+    out = capsys.readouterr().out
+    assert "[worker 0] gpus 0,1" in out and "[worker 1] gpus 2,3" in out
+    # The launcher's own list is split, in order.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7, 5,3,1")
+    result, out, _ = _run(script, 3, gpus_per_worker=1)
+    assert result.exit_code == 0
+    assert {"[worker 0] gpus 7", "[worker 1] gpus 5", "[worker 2] gpus 3"} <= set(out.splitlines())
+    with pytest.raises(ValueError, match=r"3 workers x 2 GPU\(s\) need 6 GPUs, but "):
+        _launch.launch(3, script, gpus_per_worker=2)
+    with pytest.raises(ValueError, match="gpus_per_worker must be a positive integer, got 0"):
+        _launch.worker_environment(0, [1, 2], gpus_per_worker=0)
+    env = _launch.worker_environment(1, [1, 2], base={}, gpus_per_worker=3)
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,4,5"

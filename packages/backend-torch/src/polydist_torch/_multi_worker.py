@@ -401,9 +401,10 @@ def _check_workers_own_their_gpus() -> None:
         raise ValueError(
             f"{local_world} workers run on this host (LOCAL_WORLD_SIZE={local_world}), and "
             f"each would use the {gpus} GPU(s) torch sees here, from cuda:0: NCCL refuses two "
-            "workers on one GPU. Give each worker its own GPUs before it starts, e.g. "
-            "`CUDA_VISIBLE_DEVICES=$LOCAL_RANK python train.py` (one GPU each), or run one "
-            "worker per host with all of its GPUs (torchrun --nproc-per-node=1, TF's layout)."
+            "workers on one GPU. Give each worker its own GPUs before it starts: "
+            "`polydist launch --gpus-per-worker 1`, or under torchrun a wrapper running "
+            "`CUDA_VISIBLE_DEVICES=$LOCAL_RANK python train.py`; or run one worker per host "
+            "with all of its GPUs (torchrun --nproc-per-node=1, TF's layout)."
         )
 
 

@@ -684,6 +684,13 @@ def _add_launch(sub: Any) -> None:
         help="stop every worker after S seconds (default, or 0: no limit)",
     )
     p.add_argument(
+        "--gpus-per-worker",
+        type=_positive_int,
+        metavar="G",
+        help="give worker i its own GPUs i*G..i*G+G-1 through CUDA_VISIBLE_DEVICES (of the "
+        "launcher's list if set): workers on one machine must not share a GPU",
+    )
+    p.add_argument(
         "--grace",
         type=_nonnegative_float,
         default=5.0,

@@ -13,7 +13,11 @@ Every worker ``i`` of ``N`` runs ``python SCRIPT ARGS...`` with
   ``POLYDIST_COORDINATOR_ADDRESS``, ``POLYDIST_NUM_PROCESSES=N`` and
   ``POLYDIST_PROCESS_ID=i`` (JAX has no variables for the last two);
 * ``POLYDIST_BACKEND`` when ``--backend`` is given, and ``PYTHONUNBUFFERED=1``
-  so that output streams as it is printed.
+  so that output streams as it is printed;
+* with ``--gpus-per-worker G``, ``CUDA_VISIBLE_DEVICES``: worker ``i`` sees GPUs
+  ``i*G`` .. ``i*G+G-1`` (of the launcher's own ``CUDA_VISIBLE_DEVICES`` list when
+  it has one), so that workers on one machine never share a GPU (NCCL refuses
+  that) and each names its GPUs from 0.
 
 Worker 0's port ``p0`` is the cluster's rendezvous (torch's store, JAX's
 coordinator service). Ports are free ports of this machine found by binding
@@ -95,12 +99,17 @@ def worker_environment(
     backend: str | None = None,
     host: str = HOST,
     base: Mapping[str, str] | None = None,
+    gpus_per_worker: int | None = None,
 ) -> dict[str, str]:
     """The environment of worker ``index`` of a cluster whose workers listen on ``ports``."""
     n = len(ports)
     if not 0 <= index < n:
         raise ValueError(f"worker index {index} is out of range for {n} workers (0..{n - 1}).")
     env = dict(os.environ if base is None else base)
+    if gpus_per_worker is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(
+            _worker_gpus(env.get("CUDA_VISIBLE_DEVICES"), n, gpus_per_worker)[index]
+        )
     addresses = [f"{host}:{p}" for p in ports]
     coordinator = addresses[0]
     env.update(
@@ -128,6 +137,25 @@ def worker_environment(
     if backend:
         env["POLYDIST_BACKEND"] = backend
     return env
+
+
+def _worker_gpus(listed: str | None, workers: int, per_worker: int) -> list[list[str]]:
+    """Each worker's GPUs: consecutive groups of ``per_worker`` of the ``listed`` ones
+    (``CUDA_VISIBLE_DEVICES``), or of GPUs 0, 1, ... when there is no list."""
+    if isinstance(per_worker, bool) or not isinstance(per_worker, int) or per_worker < 1:
+        raise ValueError(f"gpus_per_worker must be a positive integer, got {per_worker!r}.")
+    needed = workers * per_worker
+    if listed:
+        gpus = [g.strip() for g in listed.split(",") if g.strip()]
+        if len(gpus) < needed:
+            raise ValueError(
+                f"{workers} workers x {per_worker} GPU(s) need {needed} GPUs, but "
+                f"CUDA_VISIBLE_DEVICES lists {len(gpus)} ({listed!r}). Start fewer workers, "
+                "give each fewer GPUs, or list more."
+            )
+    else:
+        gpus = [str(i) for i in range(needed)]
+    return [gpus[w * per_worker : (w + 1) * per_worker] for w in range(workers)]
 
 
 @dataclass
@@ -272,6 +300,7 @@ def launch(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     env: Mapping[str, str] | None = None,
+    gpus_per_worker: int | None = None,
 ) -> LaunchResult:
     """Runs ``num_workers`` copies of ``script`` as the workers of a local cluster.
 
@@ -281,7 +310,8 @@ def launch(
     exits with, and its ``message`` says what happened.
 
     Raises:
-        ValueError: ``num_workers < 1``, a port out of range, or a negative
+        ValueError: ``num_workers < 1``, a port out of range, too few GPUs listed in
+            ``CUDA_VISIBLE_DEVICES`` for ``gpus_per_worker``, or a negative
             ``timeout``/``grace``.
         FileNotFoundError: ``script`` does not exist.
     """
@@ -297,6 +327,9 @@ def launch(
             f"{port + num_workers - 1} must lie in 1..65535); pick a lower port or omit it "
             "to use free ports."
         )
+    if gpus_per_worker is not None:  # checked before any worker starts
+        base_env = os.environ if env is None else env
+        _worker_gpus(base_env.get("CUDA_VISIBLE_DEVICES"), num_workers, gpus_per_worker)
     if not os.path.isfile(script):
         raise FileNotFoundError(
             f"no such script: {script!r} (the working directory is {os.getcwd()}). Pass the "
@@ -323,7 +356,9 @@ def launch(
                 with interruptions.deferred():
                     proc = subprocess.Popen(
                         command,
-                        env=worker_environment(i, ports, backend=backend, base=env),
+                        env=worker_environment(
+                            i, ports, backend=backend, base=env, gpus_per_worker=gpus_per_worker
+                        ),
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
@@ -415,5 +450,6 @@ def main(args: Any) -> int:
         port=args.port,
         timeout=args.timeout,
         grace=args.grace,
+        gpus_per_worker=args.gpus_per_worker,
     )
     return result.exit_code
