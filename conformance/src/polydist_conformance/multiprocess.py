@@ -145,6 +145,16 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     pairs = [(v, v) for v in nest] + [(ints, ints)]
     for i, mirrored in enumerate(strategy.extended.batch_reduce_to(pd.ReduceOp.SUM, pairs)):
         out[f"batch_reduce_{i}"] = local_components(strategy, mirrored)
+    # A call's own options, merged over the strategy's: packs of about 8 bytes.
+    packed = pd.experimental.CommunicationOptions(bytes_per_pack=8)
+    sums = strategy.run(
+        lambda v: _ctx().all_reduce(pd.ReduceOp.SUM, v, options=packed), args=(nest,)
+    )
+    for i, summed in enumerate(sums):
+        out[f"all_reduce_nest_packed_{i}"] = local_components(strategy, summed)
+    batched = strategy.extended.batch_reduce_to(pd.ReduceOp.SUM, pairs, options=packed)
+    for i, mirrored in enumerate(batched):
+        out[f"batch_reduce_packed_{i}"] = local_components(strategy, mirrored)
     floats = [(nest[1], nest[1]), (nest[3], nest[3])]  # exact means: integer sums / 4
     for i, mirrored in enumerate(strategy.extended.batch_reduce_to(pd.ReduceOp.MEAN, floats)):
         out[f"batch_reduce_mean_{i}"] = local_components(strategy, mirrored)

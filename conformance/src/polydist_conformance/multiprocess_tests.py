@@ -372,6 +372,9 @@ class MultiWorkerTests:
             *(f"all_reduce_{dtype}" for dtype in multiprocess.NARROW_DTYPES),
             *(f"all_reduce_nest_{i}" for i in range(len(multiprocess.NEST))),
             *(f"batch_reduce_{i}" for i in range(len(multiprocess.NEST) + 1)),
+            # The same with a call's own options (bytes_per_pack=8: several packs).
+            *(f"all_reduce_nest_packed_{i}" for i in range(len(multiprocess.NEST))),
+            *(f"batch_reduce_packed_{i}" for i in range(len(multiprocess.NEST) + 1)),
             "batch_reduce_mean_0",
             "batch_reduce_mean_1",
         ],
