@@ -83,6 +83,34 @@ def test_nest_example(conformance: Conformance, op: str, expected: dict[str, Any
     conformance.check(program, replicas=2, expected=_mirror(expected))
 
 
+def test_a_calls_options_change_no_result(conformance: Conformance) -> None:
+    """``options=CommunicationOptions(bytes_per_pack=4)`` may split the nest into packs;
+    the sums are the same."""
+    options = pd.experimental.CommunicationOptions(bytes_per_pack=4)
+
+    def program(strategy: pd.Strategy, xp: Any) -> Any:
+        def step(value: Any) -> Any:
+            return replica_context().all_reduce(pd.ReduceOp.SUM, value, options=options)
+
+        return strategy.run(step, args=(_distribute_nest(strategy, xp, np.float32),))
+
+    expected = {"a": np.float32(4), "b": [np.float32(42), np.float32(99)]}
+    conformance.check(program, replicas=2, expected=_mirror(expected))
+
+
+def test_options_must_be_communication_options(conformance: Conformance) -> None:
+    def program(strategy: pd.Strategy, xp: Any) -> Any:
+        def step() -> Any:
+            value = xp.asarray(1.0, dtype=xp.float32)
+            return replica_context().all_reduce(pd.ReduceOp.SUM, value, options={"a": 1})
+
+        return strategy.run(step)
+
+    conformance.check_raises(
+        program, TypeError, match="options must be a polydist.experimental.CommunicationOptions"
+    )
+
+
 def test_nest_example_int32_sum_stays_int32(conformance: Conformance) -> None:
     def program(strategy: pd.Strategy, xp: Any) -> Any:
         return strategy.run(_all_reduce("SUM"), args=(_distribute_nest(strategy, xp, np.int32),))
