@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks, as run on a lent one-GPU machine (docs/benchmarks.md, "On a GPU").
+# The GPU checks, as run on a lent one-GPU machine (docs/backends/jax.md "On a GPU", torch.md "CUDA").
 #
 # Expects the five polydist wheels and their missing dependencies in .whl/ (built on the
 # developer's machine: `pip wheel --no-deps -w .whl ./packages/* ./conformance`, plus
 # optree, greenlet and array-api-compat for the machine's Python), and the machine's own
 # torch and jax. Phase 1 runs, side by side: the torch backend's tests (CUDA tests
-# included; the multi-worker ones need 2 local devices per worker, so they stay on CPU in
-# CI), the conformance suite on the torch and JAX backends with one replica on the GPU,
-# and JAX's own tests on 8 fake CPU devices (the machine's jax version). Phase 2 runs the
-# benchmarks one at a time on the quiet machine. Everything lands in $OUT: summary.txt and
-# logs.tgz (every log and results file).
+# included; the multi-worker ones run gloo on CPU, as everywhere), the conformance suite
+# on the torch and JAX backends with one replica on the GPU, and JAX's own tests on 8 fake
+# CPU devices (the machine's jax version). Phase 2 runs the benchmarks one at a time on
+# the quiet machine, the multi-worker one on its CPUs (multiworker-cpu16.json). Everything
+# lands in $OUT: summary.txt and logs.tgz (every log and results file).
 set -u
 OUT=${OUT:-/tmp/polydist-device}
 LOGS=/tmp/polydist-logs
@@ -38,8 +38,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T="timeout -k 5 $PHASE1_S"
 PYTEST="$PY -m pytest -q -p no:cacheprovider -p no:benchmark --timeout=120"
 TT=packages/backend-torch/tests
-$T $PYTEST $TT --ignore=$TT/test_multi_worker_torch.py \
-    --ignore=$TT/test_multi_worker_out_of_place.py >"$LOGS/torch-tests.log" 2>&1 &
+$T $PYTEST $TT >"$LOGS/torch-tests.log" 2>&1 &
 $T $PYTEST --pyargs polydist_conformance --polydist-backend=torch --polydist-replicas=1 \
     --polydist-json="$LOGS/conformance-torch-cuda.json" >"$LOGS/torch-conformance.log" 2>&1 &
 $T $PYTEST --pyargs polydist_conformance --polydist-backend=jax --polydist-replicas=1 \
@@ -51,8 +50,13 @@ unset XLA_PYTHON_CLIENT_PREALLOCATE
 
 timeout -k 5 80 $PY benchmarks/bench_jax.py >"$LOGS/bench-jax.log" 2>&1
 timeout -k 5 60 $PY benchmarks/bench_input.py --backend jax >"$LOGS/bench-input-jax.log" 2>&1
-timeout -k 5 90 $PY benchmarks/bench_torch.py --replicas 1 4 >"$LOGS/bench-torch.log" 2>&1
-cp benchmarks/results/*-gpu.json benchmarks/results/*-cuda.json benchmarks/results/input-jax-gpu.json "$LOGS/" 2>/dev/null
+timeout -k 5 90 $PY benchmarks/bench_torch.py --replicas 1 --repeats 41 >"$LOGS/bench-torch.log" 2>&1
+for engine in torch jax; do
+    CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu timeout -k 5 170 $PY benchmarks/bench_multiworker.py \
+        --engine $engine --name multiworker-cpu16 >"$LOGS/bench-multiworker-$engine.log" 2>&1
+done
+cp benchmarks/results/*-gpu.json benchmarks/results/*-cuda.json benchmarks/results/input-jax-gpu.json \
+    benchmarks/results/multiworker-cpu16.json "$LOGS/" 2>/dev/null
 
 {
     cat "$LOGS/env.txt"

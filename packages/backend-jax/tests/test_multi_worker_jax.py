@@ -34,7 +34,8 @@ ENGINE = mpt.Engine(
     HERE / "mw_program.py",
     # The workers set their own device count (jax_num_cpu_devices), not the tests' 8.
     unset=("TF_CONFIG", "XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "POLYDIST_PROCESS_ID"),
-    env={"MW_PROGRAM_JIT": "1"},
+    # XLA:CPU wherever the tests run (on a GPU machine JAX would take the GPU).
+    env={"MW_PROGRAM_JIT": "1", "JAX_PLATFORMS": "cpu"},
 )
 # The workers' environment for MultiWorkerMirroredStrategy(jit=False).
 EAGER = {"MW_PROGRAM_JIT": "0"}

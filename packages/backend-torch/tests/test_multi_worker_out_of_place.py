@@ -33,6 +33,7 @@ def _launch_workers(
     for key in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         base.pop(key, None)
     base["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    base["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU, also on a GPU machine
     log = io.StringIO()
     result = _launch.launch(
         workers,

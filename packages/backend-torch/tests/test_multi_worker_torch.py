@@ -29,7 +29,9 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX process g
 ENGINE = mpt.Engine(
     Path(__file__).resolve().parent / "mw_program.py",
     unset=("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"),
-    env={"TORCH_CPP_LOG_LEVEL": "ERROR"},
+    # gloo on CPU wherever the tests run: on a GPU machine the workers would otherwise
+    # take GPUs (and two on one GPU is refused).
+    env={"TORCH_CPP_LOG_LEVEL": "ERROR", "CUDA_VISIBLE_DEVICES": ""},
 )
 
 
