@@ -45,8 +45,9 @@ polydist bench --no-run   # only prints the table from the existing results
 
 The GPU rows (`jax-gpu`, `torch-cuda`, `input-jax-gpu`) come from one NVIDIA
 H200, measured with `benchmarks/device_check.sh`, which also runs the
-conformance suite and the backends' tests there. On that machine the timings
-of a 1-2 ms step varied by up to 30% between runs of the same code.
+conformance suite and the backends' tests there; `multiworker-cpu16` is the
+multi-worker benchmark on that machine's 16 CPU cores. On that machine the
+timings of a 1-2 ms step varied by up to 30% between runs of the same code.
 """
 
 
