@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks, as run on a lent one-GPU machine (docs/backends/jax.md "On a GPU", torch.md "CUDA").
 #
-# Expects the five polydist wheels and their missing dependencies in .whl/ (built on the
-# developer's machine: `pip wheel --no-deps -w .whl ./packages/* ./conformance`, plus
-# optree, greenlet and array-api-compat for the machine's Python), and the machine's own
-# torch and jax. Phase 1 runs, side by side: the torch backend's tests (CUDA tests
+# Expects the five polydist wheels and their missing dependencies in .whl/ (made on the
+# developer's machine by benchmarks/device_wheels.sh), and the machine's own torch and
+# jax: run it as `bash benchmarks/device_check.sh` with .whl carried along. Phase 1 runs, side by side: the torch backend's tests (CUDA tests
 # included; the multi-worker ones run gloo on CPU, as everywhere), the conformance suite
 # on the torch and JAX backends with one replica on the GPU, and JAX's own tests on 8 fake
 # CPU devices (the machine's jax version). Phase 2 runs the benchmarks one at a time on
