@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks, as run on a lent one-GPU machine (docs/backends/jax.md "On a GPU", torch.md "CUDA").
+# The GPU checks, as run on a lent one-GPU machine (docs/backends/jax.md "On a GPU",
+# docs/backends/torch.md "CUDA").
 #
 # Expects the five polydist wheels and their missing dependencies in .whl/ (made on the
 # developer's machine by benchmarks/device_wheels.sh), and the machine's own torch and
-# jax: run it as `bash benchmarks/device_check.sh` with .whl carried along. Phase 1 runs, side by side: the torch backend's tests (CUDA tests
-# included; the multi-worker ones run gloo on CPU, as everywhere), the conformance suite
+# jax: run it as `bash benchmarks/device_check.sh` with .whl carried along. Phase 1
+# runs, side by side: the torch backend's tests (CUDA tests included; the multi-worker
+# ones run gloo on CPU, as everywhere), the conformance suite
 # on the torch and JAX backends with one replica on the GPU, and JAX's own tests on 8 fake
 # CPU devices (the machine's jax version). Phase 2 runs the benchmarks one at a time on
 # the quiet machine, the multi-worker one on its CPUs (multiworker-cpu16.json). Everything
@@ -54,7 +56,7 @@ for engine in torch jax; do
     CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu timeout -k 5 170 $PY benchmarks/bench_multiworker.py \
         --engine $engine --name multiworker-cpu16 >"$LOGS/bench-multiworker-$engine.log" 2>&1
 done
-cp benchmarks/results/*-gpu.json benchmarks/results/*-cuda.json benchmarks/results/input-jax-gpu.json \
+cp benchmarks/results/*-gpu.json benchmarks/results/*-cuda.json \
     benchmarks/results/multiworker-cpu16.json "$LOGS/" 2>/dev/null
 
 {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 from typing import Any
 
 import jax
@@ -229,6 +230,10 @@ def test_empty_arrays_beside_a_collective(jax_backend: JaxBackend, outer_jit: bo
     def run() -> Any:
         return strategy.run(fn, (shared, own))
 
+    if not outer_jit:  # the program's own inputs and outputs hold no zero-size array
+        text = jax_backend.lower(strategy, fn, (shared, own)).as_text()
+        main = next(line for line in text.splitlines() if "func.func public @main" in line)
+        assert "tensor<" in main and not re.search(r"tensor<(?:\d+x)*0x", main), main
     results = jax.jit(run)() if outer_jit else run()
     total, empty, sliced, shared_back, own_back = [
         strategy.experimental_local_results(v) for v in results

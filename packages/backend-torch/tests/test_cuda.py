@@ -66,8 +66,8 @@ def test_results_land_on_each_replicas_device_and_scope_sets_cuda_device() -> No
 @needs_cuda
 @pytest.mark.parametrize("replica_default_device", [True, False])
 def test_host_values_placed_inside_a_gpu_replica(replica_default_device: bool) -> None:
-    # The replica id and NumPy inputs are staged in pinned CPU memory from inside the
-    # replica, where torch's default device may be the GPU (found on an H200).
+    # A NumPy input is staged in pinned CPU memory from inside the replica, where
+    # torch's default device may be the GPU (found on an H200).
     backend = TorchBackend(replica_default_device=replica_default_device)
     s = pd.MirroredStrategy(["/gpu:0", "/cpu:0"], backend=backend)
 

@@ -16,7 +16,6 @@ def host(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """8 GPUs, 4 workers on this host, nothing narrowed."""
     monkeypatch.setattr(_multi_worker, "cuda_device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return monkeypatch
 

@@ -416,8 +416,7 @@ def _packed_psum(arrays: list[Any], bytes_per_pack: int) -> list[Any]:
     each operand of an all-reduce as its own cross-process collective: 64 arrays took 6x
     longer than one pack.) Weakly typed arrays keep their own operand, and their type."""
     out: list[Any] = [None] * len(arrays)
-    # An empty array's sum is itself; kept out of the packs, whose zero-width pieces
-    # crash XLA's compiler ("SmallVector unable to grow", jax 0.10).
+    # An empty array's sum is itself: it has nothing to send, so no pack holds it.
     nonempty = [i for i, a in enumerate(arrays) if a.size]
     for i, a in enumerate(arrays):
         if not a.size:
@@ -473,7 +472,8 @@ class SpmdChannel:
             # copies in and out: 10% on the CPU MLP benchmark's step).
             return list(psum(arrays, replica_axis()))
         options = getattr(self._strategy.extended, "_communication_options", None)
-        return _packed_psum(arrays, _communication.bytes_per_pack(options))
+        call = _communication.current_call_options()
+        return _packed_psum(arrays, _communication.bytes_per_pack(options, call))
 
     def all_gather(self, values: Sequence[Any], axis: int) -> list[Any]:
         out = []

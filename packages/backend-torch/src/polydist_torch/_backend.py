@@ -58,7 +58,7 @@ class TorchBackend:
             uses ``torch.device`` as a context, a torch function mode that every
             torch call in the replica then passes through: on a GPU that costs a
             few microseconds per call (measured on an H200: 0.35 ms on a 1.6 ms
-            MLP step, ``docs/benchmarks.md``). ``False`` keeps torch's default
+            MLP step, ``docs/backends/torch.md``). ``False`` keeps torch's default
             device, as ``DataParallel`` does; the current CUDA device is the
             replica's either way.
     """

@@ -168,16 +168,16 @@ def call_options(options: Any) -> Iterator[None]:
         _CALL_OPTIONS.reset(token)
 
 
-def call_bytes_per_pack() -> int | None:
-    """The pack size the current call asks for, or None (the strategy's applies)."""
-    options = _CALL_OPTIONS.get()
-    return options.bytes_per_pack if options is not None and options.bytes_per_pack else None
+def current_call_options() -> CommunicationOptions | None:
+    """The options of the collective being issued here (None: the call passed none)."""
+    return _CALL_OPTIONS.get()
 
 
-def bytes_per_pack(strategy_options: CommunicationOptions | None) -> int:
-    """The pack size of the collective being issued: the call's options merged over the
-    strategy's, as TF merges them (a non-default value of the call's wins)."""
-    asked = call_bytes_per_pack()
-    if asked is not None:
-        return asked
+def bytes_per_pack(
+    strategy_options: CommunicationOptions | None, call: CommunicationOptions | None
+) -> int:
+    """A collective's pack size: the ``call``'s options merged over the strategy's, as
+    TF merges them (a non-default value of the call's wins)."""
+    if call is not None and call.bytes_per_pack:
+        return call.bytes_per_pack
     return strategy_options.bytes_per_pack if strategy_options is not None else 0

@@ -40,7 +40,7 @@ from polydist import _context, _trace
 from polydist._arrays import dtype_name
 from polydist._backend import batch_all_reduce
 from polydist._collective_check import collective_intent
-from polydist._communication import call_bytes_per_pack
+from polydist._communication import CommunicationOptions, bytes_per_pack, current_call_options
 from polydist._reduce_op import ReduceOp
 from polydist._values import regroup, select_replica
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
@@ -67,16 +67,15 @@ def default_timeout() -> float:
 
 
 class _SyncRequest:
-    __slots__ = ("_frame", "bytes_per_pack", "kind", "payload", "signature")
+    __slots__ = ("_frame", "kind", "options", "payload", "signature")
 
     def __init__(self, kind: str, signature: tuple[Any, ...], payload: Any, frame: FrameType):
         self.kind = kind  # "all_reduce" | "all_gather" | "merge_call"
         self.signature = signature
         self.payload = payload
         self._frame = frame
-        # The call's CommunicationOptions.bytes_per_pack (None: the strategy's), read on
-        # the replica's own thread or greenlet.
-        self.bytes_per_pack = call_bytes_per_pack()
+        # The call's own CommunicationOptions, read on the replica's thread or greenlet.
+        self.options = current_call_options()
 
     @property
     def source(self) -> str:
@@ -420,8 +419,10 @@ class _Run:
         self.fn = fn
         self.args = per_replica_args
         self.timeout = timeout
-        options = getattr(extended, "_communication_options", None)  # multi-worker only
-        self.bytes_per_pack: int = options.bytes_per_pack if options is not None else 0
+        # The strategy's CommunicationOptions (multi-worker strategies only).
+        self.options: CommunicationOptions | None = getattr(
+            extended, "_communication_options", None
+        )
         slot_class: type[_Slot] = _GreenletSlot if mode == "greenlet" else _ThreadSlot
         if mode == "thread" and len(per_replica_args) == 1:  # EagerReplicaRunner.runs_inline
             slot_class = _InlineSlot
@@ -506,8 +507,7 @@ class _Run:
             columns = [[leaves[i] for leaves in placed] for i in range(len(first.payload))]
             start = time.perf_counter() if timed else 0.0
             with intent:
-                asked = first.bytes_per_pack
-                packing = self.bytes_per_pack if asked is None else asked
+                packing = bytes_per_pack(self.options, first.options)
                 sums = batch_all_reduce(backend, columns, devices, packing)
             duration = time.perf_counter() - start if timed else None
             for reduced in sums:

@@ -67,7 +67,11 @@ from polydist._collective_check import (
     checks_enabled,
     collective_intent,
 )
-from polydist._communication import CommunicationOptions, bytes_per_pack
+from polydist._communication import (
+    CommunicationOptions,
+    bytes_per_pack,
+    current_call_options,
+)
 from polydist._devices import HOST_DEVICE, DeviceSpec
 from polydist._eager import EagerReplicaRunner
 from polydist._indexed_slices import IndexedSlices
@@ -481,7 +485,10 @@ class MultiProcessExtended(MultiWorkerExtended):
         backend, n = self._backend, self._num_replicas_in_sync
         with collective_intent(reduce_op.value):
             sums = batch_all_reduce(
-                backend, columns, devices, bytes_per_pack(self._communication_options)
+                backend,
+                columns,
+                devices,
+                bytes_per_pack(self._communication_options, current_call_options()),
             )
         results: list[Any] = []
         for column, reduced in zip(columns, sums, strict=True):
