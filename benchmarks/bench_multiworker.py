@@ -412,9 +412,12 @@ def _baselines(row: dict[str, Any]) -> tuple[tuple[str, str], ...]:
 
 
 def _size(row: dict[str, Any]) -> str:
-    if row["arrays"] > 1:
-        return f"a nest of {row['arrays']} arrays, {row['mib']:.1f} MiB"
-    return f"{row['mib']:g} MiB" + ("" if row["checked"] else " (checks off)")
+    size = (
+        f"a nest of {row['arrays']} arrays, {row['mib']:.1f} MiB"
+        if row["arrays"] > 1
+        else f"{row['mib']:g} MiB"
+    )
+    return size + ("" if row["checked"] else " (checks off)")
 
 
 def _case(row: dict[str, Any], what: str) -> str:

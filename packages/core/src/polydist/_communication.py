@@ -150,7 +150,8 @@ def check_call_options(options: Any) -> CommunicationOptions | None:
         return options
     raise TypeError(
         "options must be a polydist.experimental.CommunicationOptions or None, got "
-        f"{type(options).__name__} {options!r}."
+        f"{type(options).__name__} {options!r}. Pass "
+        "options=CommunicationOptions(bytes_per_pack=...), or leave it out."
     )
 
 
