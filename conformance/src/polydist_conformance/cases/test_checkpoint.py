@@ -3,8 +3,10 @@
 TF's rules (reference, "Checkpoints"; ``docs/concepts/variables.md``): a
 ``MirroredVariable`` saves its value, a ``SyncOnReadVariable`` its aggregate
 (a SUM variable the sum of its copies) and restoring into N copies puts the
-value in each copy, or ``value / N`` for a SUM ``SyncOnReadVariable``, so it
-reads back the saved sum. The stored values do not depend on the replica
+value in each copy. A SUM ``SyncOnReadVariable`` is split exactly (polydist, not
+TF's ``value / N``): integers ``value // N`` in each copy but the first, which
+holds the rest; floats the value in the first copy and ``-0.0`` in the others,
+so it reads back the saved sum bit for bit. The stored values do not depend on the replica
 count, so a checkpoint restores into a strategy with any number of replicas,
 and a checkpoint written on the backend restores on the simulator.
 """
@@ -25,7 +27,7 @@ from polydist_conformance import Conformance, Distributed, Reduction, reduced
 VA = pd.VariableAggregation
 VS = pd.VariableSynchronization
 #: The value of the SUM variables: divisible by every replica count up to 10, so that
-#: each of N copies holds TOTAL / N exactly, whatever N the run and the restore use.
+#: each of N copies holds TOTAL / N exactly after ``assign(TOTAL)``, whatever N the run uses.
 TOTAL = 2520.0
 
 
@@ -64,10 +66,10 @@ def _scramble(variables: dict[str, Any], xp: Any) -> None:
 
 def _reads(variables: dict[str, Any]) -> dict[str, Any]:
     reads = {k: v.read_value() for k, v in variables.items()}
-    # The SUM variable reads as the sum of its N copies of TOTAL / N: a float sum.
+    # The restored SUM variable reads as the sum of its copies, TOTAL and N - 1 -0.0s.
     n = len(variables["seen"].values) if isinstance(variables["seen"], pd.DistributedValues) else 1
-    share = np.float32(TOTAL) / np.float32(n)
-    reads["seen"] = reduced(reads["seen"], Reduction.across_replicas([share] * n))
+    shares = [np.float32(TOTAL)] + [np.float32(-0.0)] * (n - 1)
+    reads["seen"] = reduced(reads["seen"], Reduction.across_replicas(shares))
     return reads
 
 
@@ -84,7 +86,7 @@ def _expected_reads() -> dict[str, Any]:
 def _expected_copies(n: int) -> dict[str, Any]:
     return {
         "kernel": Distributed("MirroredVariable", (np.asarray([1.0, 2.0, 3.0], np.float32),) * n),
-        "seen": Distributed("SyncOnReadVariable", (_f32(TOTAL / n),) * n),
+        "seen": Distributed("SyncOnReadVariable", (_f32(TOTAL),) + (_f32(-0.0),) * (n - 1)),
         "count": Distributed("SyncOnReadVariable", (np.int32(TOTAL // n),) * n),
         "mean": Distributed("SyncOnReadVariable", (_f32(2.5),) * n),
         "first": Distributed("SyncOnReadVariable", (_f32(7.0),) * n),
@@ -136,7 +138,7 @@ def test_round_trip(conformance: Conformance) -> None:
 @pytest.mark.parametrize("other", [1, 2, 3])
 def test_restore_into_another_replica_count(conformance: Conformance, other: int) -> None:
     """Saved with the run's replicas, restored into ``MirroredStrategy(other)``: mirrored
-    values go to every copy, a SUM variable's sum is split as ``sum / N``."""
+    values go to every copy, a SUM variable's sum is split exactly among the N copies."""
     try:
         devices = conformance.backend.replica_devices(other)
     except ValueError as e:
