@@ -96,7 +96,10 @@ def sample(dtype: Any, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 
 def manifest_doc(ckpt: Path) -> dict[str, Any]:
+    """The manifest without its checksum: edited and written back, it reads as a manifest
+    of a polydist from before checksums, so the reader's other checks are reached."""
     doc: dict[str, Any] = json.loads((ckpt / "manifest.json").read_text("utf-8"))
+    doc.pop("sha256_of_the_rest")
     return doc
 
 
@@ -407,6 +410,15 @@ def test_invalid_manifest(two_ckpts: Path, edit: Any, match: str) -> None:
     edit(doc)
     (two_ckpts / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(CheckpointCorruptError, match=match):
+        read_manifest(two_ckpts)
+
+
+def test_manifest_checksum(two_ckpts: Path) -> None:
+    m = two_ckpts / "manifest.json"
+    doc = json.loads(m.read_text("utf-8"))
+    doc["arrays"][0]["name"] = "dense/kernel:1"  # still valid JSON, and plausible
+    m.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointCorruptError, match="sha256_of_the_rest does not match"):
         read_manifest(two_ckpts)
 
 

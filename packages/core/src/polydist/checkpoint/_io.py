@@ -74,6 +74,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointPathError",
     "JSONLike",
     "JSONValue",
     "Manifest",
@@ -95,6 +96,7 @@ _MANIFEST_FORMAT = "polydist.checkpoint"
 _POINTER_FORMAT = "polydist.checkpoint.pointer"
 _MANIFEST_NAME = "manifest.json"
 _POINTER_NAME = "checkpoint"
+_CHECKSUM_KEY = "sha256_of_the_rest"
 _TMP_PREFIX = ".polydist-tmp-"
 _LOCK_NAME = ".polydist-lock"
 _CKPT_RE = re.compile(r"ckpt-(0|[1-9][0-9]*)")
@@ -132,6 +134,10 @@ class CheckpointError(Exception):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint where one was expected."""
+
+
+class CheckpointPathError(CheckpointError, FileExistsError):
+    """A checkpoint would be written where a file (not a directory) is."""
 
 
 class CheckpointCorruptError(CheckpointError, ValueError):
@@ -435,10 +441,11 @@ def _read_array_file(ckpt_dir: Path, entry: _Entry) -> np.ndarray:
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
             else:
                 raise ValueError(f"unsupported .npy format version {version}")
-        except (ValueError, SyntaxError, EOFError) as e:
+        except Exception as e:  # NumPy's header parser raises many kinds
+            # (ValueError, SyntaxError, tokenize.TokenError, TypeError, ...) on damaged bytes.
             raise CheckpointCorruptError(
-                f"variable {name!r}: the header of {path} is unreadable ({e}) (file damaged?); "
-                + _restore_hint(ckpt_dir)
+                f"variable {name!r}: the header of {path} is unreadable "
+                f"({type(e).__name__}: {e}) (file damaged?); " + _restore_hint(ckpt_dir)
             ) from None
         if tuple(shape) != spec.shape or dtype != entry.storage or fortran:
             found = _fmt_spec(shape, dtype) + (" Fortran order" if fortran else "")
@@ -496,11 +503,13 @@ def _load_manifest(ckpt_dir: Path) -> tuple[Manifest, dict[str, _Entry]]:
 
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointCorruptError(
             f"{path}: manifest is not valid JSON ({e}); it is truncated or damaged; "
             + _restore_hint(ckpt_dir)
         ) from None
+    if not _checksum_ok(doc):
+        raise bad(f"its {_CHECKSUM_KEY} does not match its contents")
     if not isinstance(doc, dict) or doc.get("format") != _MANIFEST_FORMAT:
         raise bad(f'expected a JSON object with "format": {_MANIFEST_FORMAT!r}')
     version = doc.get("format_version")
@@ -587,6 +596,33 @@ def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _canonical(doc: Mapping[str, object]) -> bytes:
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return text.encode("ascii")
+
+
+def _dump_json(doc: Mapping[str, object]) -> str:
+    return json.dumps(doc, indent=1, ensure_ascii=True, allow_nan=False)
+
+
+def _with_checksum(doc: Mapping[str, object]) -> dict[str, object]:
+    """``doc`` and the sha256 of its canonical JSON, so that any damage to a manifest or
+    pointer (a flipped byte that still parses: a name, a shape, a step) is detected."""
+    return {**doc, _CHECKSUM_KEY: hashlib.sha256(_canonical(doc)).hexdigest()}
+
+
+def _checksum_ok(doc: object) -> bool:
+    """Whether ``doc`` matches its checksum; documents written before checksums have none."""
+    if not isinstance(doc, dict) or _CHECKSUM_KEY not in doc:
+        return True
+    rest = {k: v for k, v in doc.items() if k != _CHECKSUM_KEY}
+    try:
+        digest = hashlib.sha256(_canonical(rest)).hexdigest()
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return bool(doc[_CHECKSUM_KEY] == digest)
+
+
 # --------------------------------------------------------------------------- pointer
 
 
@@ -602,7 +638,12 @@ def _read_pointer(root: Path) -> str | None:
             f"{path} is a directory, expected polydist's checkpoint pointer file"
         ) from None
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
+        if not _checksum_ok(doc):
+            raise ValueError(f"its {_CHECKSUM_KEY} does not match its contents")
         if not isinstance(doc, dict) or doc.get("format") != _POINTER_FORMAT:
             raise ValueError(f'expected a JSON object with "format": {_POINTER_FORMAT!r}')
         name = doc.get("latest")
@@ -626,7 +667,8 @@ def _write_pointer(root: Path, name: str) -> None:
     }
     tmp = root / f"{_TMP_PREFIX}pointer-{uuid.uuid4().hex}"
     try:
-        _write_file_durably(tmp, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+        text = json.dumps(_with_checksum(doc), indent=1, ensure_ascii=True, allow_nan=False)
+        _write_file_durably(tmp, (text + "\n").encode("utf-8"))
         _hook("pointer-tmp-written", name)
         os.replace(tmp, root / _POINTER_NAME)
     except BaseException:
@@ -775,7 +817,7 @@ def write_arrays(
             raise ValueError(f"max_to_keep must be None or an int >= 1, got {max_to_keep!r}")
         max_to_keep = operator.index(max_to_keep)
 
-    root.mkdir(parents=True, exist_ok=True)
+    _make_root(root)
     with _writer_lock(root):
         _remove_leftovers(root)
         if step is None:
@@ -815,7 +857,7 @@ def write_arrays(
                 "metadata": meta,
                 "arrays": items,
             }
-            text = json.dumps(doc, indent=1, ensure_ascii=True, allow_nan=False) + "\n"
+            text = _dump_json(_with_checksum(doc)) + "\n"
             _write_file_durably(tmp / _MANIFEST_NAME, text.encode("utf-8"))
             _hook("manifest-written", name)
             _fsync_dir(tmp)
@@ -839,6 +881,21 @@ def write_arrays(
         if max_to_keep is not None:
             _prune(root, keep=name, max_to_keep=max_to_keep)
     return final
+
+
+def _make_root(root: Path) -> None:
+    """Creates the checkpoint root; a file in its place is refused with a clear error."""
+    for p in (root, *root.parents):
+        if p.exists() and not p.is_dir():
+            what = "is" if p == root else f"is inside {p}, which is"
+            raise CheckpointPathError(
+                f"cannot save a checkpoint to {root}: it {what} an existing file, not a "
+                "directory. Checkpoints are directories (ckpt-<step>/ and a pointer file): "
+                "pass a directory path (a new one is created), or move the file away"
+            )
+        if p.exists():
+            break
+    root.mkdir(parents=True, exist_ok=True)
 
 
 def _next_step(root: Path) -> int:
