@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -90,9 +91,10 @@ def test_damaged_checkpoints_raise_corrupt_and_change_nothing(tmp_path: Path, se
         b"{'descr': '<f4', 'fortran_order': False, 'shape': [2, 'x'], }",  # TypeError
     ],
 )
-def test_unparsable_npy_headers_are_corrupt(tmp_path: Path, header: bytes) -> None:
-    v = _variables()
-    checkpoint.save(tmp_path, {"w": v["w"]})
+def test_unparsable_npy_headers_are_corrupt(
+    tmp_path: Path, header: bytes, write_legacy: Callable[..., Path]
+) -> None:
+    write_legacy(tmp_path, {"w": SAVED["w"]})  # the .npy layout of format 1
     data = tmp_path / "ckpt-1" / "000000.npy"
     raw = bytearray(data.read_bytes())
     start = 10  # magic (6), version (2), header length (2)
