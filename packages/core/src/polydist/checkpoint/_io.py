@@ -82,8 +82,11 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "read_arrays",
+    "delete_checkpoint",
     "read_manifest",
+    "read_pointer",
     "write_arrays",
+    "write_checkpoint",
 ]
 
 #: Newest version of the on-disk format this module reads and writes.  A manifest is
@@ -102,7 +105,8 @@ _POINTER_NAME = "checkpoint"
 _CHECKSUM_KEY = "sha256_of_the_rest"
 _TMP_PREFIX = ".polydist-tmp-"
 _LOCK_NAME = ".polydist-lock"
-_CKPT_RE = re.compile(r"ckpt-(0|[1-9][0-9]*)")
+# ``<name>-<number>``: ckpt-3 (write_arrays), and train.Checkpoint.save's "<prefix>-<n>".
+_CKPT_RE = re.compile(r"(?!\.)([^/\\]+?)-(0|[1-9][0-9]*)")
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.npy")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SUPPORTED_KINDS = "biufc"  # bool, signed/unsigned integer, floating, complex
@@ -202,9 +206,12 @@ def _hook(stage: str, detail: str = "") -> None:
         _test_hook(stage, detail)
 
 
-def _parse_step(name: str) -> int | None:
+def _parse_step(name: str, prefix: str | None = None) -> int | None:
+    """The number of a ``<prefix>-<number>`` checkpoint name (any prefix if None)."""
     m = _CKPT_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
+    if m is None or (prefix is not None and m.group(1) != prefix):
+        return None
+    return int(m.group(2))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -816,7 +823,7 @@ def _read_pointer(root: Path) -> str | None:
             raise ValueError(f'expected a JSON object with "format": {_POINTER_FORMAT!r}')
         name = doc.get("latest")
         if not isinstance(name, str) or _parse_step(name) is None:
-            raise ValueError(f'"latest" must name a ckpt-<step> directory, found {name!r}')
+            raise ValueError(f'"latest" must name a <name>-<step> directory, found {name!r}')
     except ValueError as e:  # includes JSONDecodeError and UnicodeDecodeError
         raise CheckpointCorruptError(
             f"{path}: the checkpoint pointer file is damaged ({e}); pass a checkpoint "
@@ -826,8 +833,9 @@ def _read_pointer(root: Path) -> str | None:
     return name
 
 
-def _write_pointer(root: Path, name: str) -> None:
+def _write_pointer(root: Path, name: str, extra: Mapping[str, JSONValue] | None = None) -> None:
     doc = {
+        **(extra or {}),
         "format": _POINTER_FORMAT,
         "format_version": _BASE_VERSION,  # the pointer's layout is that of version 1
         "latest": name,
@@ -849,8 +857,10 @@ def _write_pointer(root: Path, name: str) -> None:
 # --------------------------------------------------------------------------- public API
 
 
-def list_checkpoints(directory: PathLike) -> list[Path]:
-    """The complete checkpoints (``ckpt-<step>`` with a manifest) in ``directory``, by step.
+def list_checkpoints(directory: PathLike, checkpoint_name: str | None = None) -> list[Path]:
+    """The complete checkpoints (``<name>-<step>`` with a manifest) in ``directory``, by
+    step: ``ckpt-<step>`` as ``write_arrays`` names them, and those of
+    ``polydist.train`` (``checkpoint_name`` selects one name; by default every one).
 
     Damage inside a listed checkpoint is only detected when it is read.  Returns ``[]``
     if ``directory`` does not exist.
@@ -858,7 +868,9 @@ def list_checkpoints(directory: PathLike) -> list[Path]:
     root = Path(directory)
     try:
         with os.scandir(root) as it:
-            found = [(s, e.name) for e in it if (s := _parse_step(e.name)) is not None]
+            found = [
+                (s, e.name) for e in it if (s := _parse_step(e.name, checkpoint_name)) is not None
+            ]
     except (FileNotFoundError, NotADirectoryError):
         return []
     return [root / n for _, n in sorted(found) if (root / n / _MANIFEST_NAME).is_file()]
@@ -992,52 +1004,123 @@ def write_arrays(
         _remove_leftovers(root)
         if step is None:
             step = _next_step(root)
-        name = f"ckpt-{step}"
-        final = root / name
-        if os.path.lexists(final) and name == _current_latest_name(root):
-            raise CheckpointError(
-                f"{final} already exists and is the latest checkpoint; it cannot be replaced "
-                "atomically. Write a different step, or delete it first"
-            )
-
-        tmp = root / f"{_TMP_PREFIX}{name}-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        displaced: Path | None = None
-        try:
-            items = _write_tensors_file(tmp / _TENSORS_NAME, prepared, step)
-            doc = {
-                "format": _MANIFEST_FORMAT,
-                "format_version": _SAFETENSORS_VERSION,
-                "step": step,
-                "created_unix": time.time(),
-                "metadata": meta,
-                "tensors_file": _TENSORS_NAME,
-                "arrays": items,
-            }
-            text = _dump_json(_with_checksum(doc)) + "\n"
-            _write_file_durably(tmp / _MANIFEST_NAME, text.encode("utf-8"))
-            _hook("manifest-written", name)
-            _fsync_dir(tmp)
-            _hook("before-rename", name)
-            if os.path.lexists(final):  # an older or never-committed one: move it aside
-                displaced = root / f"{_TMP_PREFIX}replaced-{name}-{uuid.uuid4().hex}"
-                os.rename(final, displaced)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if displaced is not None and not os.path.lexists(final):
-                with contextlib.suppress(OSError):
-                    os.rename(displaced, final)  # put the displaced checkpoint back
-            raise
-        _fsync_dir(root)
-        if displaced is not None:
-            shutil.rmtree(displaced, ignore_errors=True)
-        _hook("before-pointer", name)
-        _write_pointer(root, name)
-        _hook("pointer-written", name)
+        final = _commit(root, f"ckpt-{step}", prepared, meta, step, pointer={})
         if max_to_keep is not None:
-            _prune(root, keep=name, max_to_keep=max_to_keep)
+            _prune(root, keep=final.name, max_to_keep=max_to_keep)
     return final
+
+
+def write_checkpoint(
+    path: PathLike,
+    arrays: Mapping[str, np.ndarray[Any, Any] | np.generic[Any]],
+    *,
+    step: int,
+    metadata: Mapping[str, JSONLike] | None = None,
+    pointer: Mapping[str, JSONLike] | None = None,
+) -> Path:
+    """Atomically writes ``arrays`` as the checkpoint directory ``path`` (any name).
+
+    With ``pointer`` (a mapping, maybe empty), the pointer file of ``path``'s parent
+    then names it as the latest, with ``pointer``'s entries added (what
+    ``polydist.train.CheckpointManager`` records); without, no pointer is written
+    (``polydist.train.Checkpoint.write``).  As :func:`write_arrays` otherwise.
+    """
+    final = Path(path)
+    if not final.name or final.name.startswith(".") or final.name in (_POINTER_NAME, _LOCK_NAME):
+        raise ValueError(
+            f"cannot write a checkpoint to {final}: its last component must name the "
+            f"checkpoint directory (not empty, not starting with '.', not {_POINTER_NAME!r}); "
+            "pass a path such as 'ckpts/model'"
+        )
+    prepared = _prepare_arrays(arrays)
+    meta = _normalize_json(dict(metadata or {}), "")
+    extra = None if pointer is None else _normalize_json(dict(pointer), "(pointer)")
+    if isinstance(step, bool) or operator.index(step) < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    root = final.parent
+    _make_root(root)
+    with _writer_lock(root):
+        _remove_leftovers(root)
+        return _commit(root, final.name, prepared, meta, operator.index(step), pointer=extra)
+
+
+def _commit(
+    root: Path,
+    name: str,
+    prepared: list[tuple[str, np.ndarray, np.dtype[Any] | None]],
+    meta: JSONValue,
+    step: int,
+    *,
+    pointer: JSONValue,
+) -> Path:
+    """Writes ``root/name`` atomically (the writer lock held); with ``pointer`` (a dict of
+    extra entries, not None) the pointer file then names it."""
+    final = root / name
+    if os.path.lexists(final) and name == _current_latest_name(root):
+        raise CheckpointError(
+            f"{final} already exists and is the latest checkpoint; it cannot be replaced "
+            "atomically. Write a different step, or delete it first"
+        )
+
+    tmp = root / f"{_TMP_PREFIX}{name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    displaced: Path | None = None
+    try:
+        items = _write_tensors_file(tmp / _TENSORS_NAME, prepared, step)
+        doc = {
+            "format": _MANIFEST_FORMAT,
+            "format_version": _SAFETENSORS_VERSION,
+            "step": step,
+            "created_unix": time.time(),
+            "metadata": meta,
+            "tensors_file": _TENSORS_NAME,
+            "arrays": items,
+        }
+        text = _dump_json(_with_checksum(doc)) + "\n"
+        _write_file_durably(tmp / _MANIFEST_NAME, text.encode("utf-8"))
+        _hook("manifest-written", name)
+        _fsync_dir(tmp)
+        _hook("before-rename", name)
+        if os.path.lexists(final):  # an older or never-committed one: move it aside
+            displaced = root / f"{_TMP_PREFIX}replaced-{name}-{uuid.uuid4().hex}"
+            os.rename(final, displaced)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if displaced is not None and not os.path.lexists(final):
+            with contextlib.suppress(OSError):
+                os.rename(displaced, final)  # put the displaced checkpoint back
+        raise
+    _fsync_dir(root)
+    if displaced is not None:
+        shutil.rmtree(displaced, ignore_errors=True)
+    if isinstance(pointer, dict):
+        _hook("before-pointer", name)
+        _write_pointer(root, name, pointer)
+        _hook("pointer-written", name)
+    return final
+
+
+def delete_checkpoint(path: PathLike) -> None:
+    """Deletes the checkpoint directory ``path``; it stops looking like a checkpoint at
+    once (renamed aside first), so a crash midway never leaves half of one."""
+    p = Path(path)
+    if not (p / _MANIFEST_NAME).is_file():
+        return
+    trash = p.parent / f"{_TMP_PREFIX}deleted-{p.name}-{uuid.uuid4().hex}"
+    os.rename(p, trash)
+    _fsync_dir(p.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def read_pointer(directory: PathLike) -> dict[str, JSONValue] | None:
+    """The pointer file of ``directory`` as a dict (``"latest"`` and what the writer
+    added), None if there is none; CheckpointCorruptError if it is damaged."""
+    root = Path(directory)
+    if _read_pointer(root) is None:
+        return None
+    doc = json.loads((root / _POINTER_NAME).read_bytes().decode("utf-8"))
+    return {k: v for k, v in doc.items() if k != _CHECKSUM_KEY}
 
 
 def _make_root(root: Path) -> None:
@@ -1057,7 +1140,7 @@ def _make_root(root: Path) -> None:
 
 def _next_step(root: Path) -> int:
     with os.scandir(root) as it:
-        steps = [s for e in it if (s := _parse_step(e.name)) is not None]
+        steps = [s for e in it if (s := _parse_step(e.name, "ckpt")) is not None]
     return max(steps, default=0) + 1
 
 
@@ -1071,7 +1154,7 @@ def _current_latest_name(root: Path) -> str | None:
 
 
 def _prune(root: Path, keep: str, max_to_keep: int) -> None:
-    others = [p for p in list_checkpoints(root) if p.name != keep]
+    others = [p for p in list_checkpoints(root, "ckpt") if p.name != keep]
     doomed = others[: max(0, len(others) - (max_to_keep - 1))]
     trash: list[Path] = []
     for p in doomed:  # rename first: a half-deleted directory must not look like a checkpoint

@@ -98,13 +98,7 @@ def save(
     info: dict[str, Any] = {}
     for key, var in items:
         arrays[key] = _saved_value(var)
-        info[key] = {
-            "name": var.name,
-            "class": type(var).__name__,
-            "synchronization": var.synchronization.name,
-            "aggregation": var.aggregation.name,
-            "replicas": len(_components(var)),
-        }
+        info[key] = _saved_info(var)
     if strategy is not None and not strategy.extended.should_checkpoint:
         return None
     # A nest of variables carries its strategies: only their chief writes.
@@ -168,6 +162,17 @@ def restore(
         for component, array in zip(_components(var), copies):
             component._write_storage(array)
     return manifest
+
+
+def _saved_info(var: Variable) -> dict[str, Any]:
+    """What the manifest records about a saved variable."""
+    return {
+        "name": var.name,
+        "class": type(var).__name__,
+        "synchronization": var.synchronization.name,
+        "aggregation": var.aggregation.name,
+        "replicas": len(_components(var)),
+    }
 
 
 def _require_cross_replica(what: str) -> None:
