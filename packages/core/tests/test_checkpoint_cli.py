@@ -118,3 +118,19 @@ def test_convert_rewrites_legacy_checkpoints(
     checkpoint.restore(new / "ckpt-2", w)
     assert w.numpy().tolist() == [0.0, 1.0, 2.0]
     assert main(["checkpoint", "convert", str(tmp_path / "nope"), str(new)]) == 2
+
+
+def test_inspect_a_train_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    class Stateful:
+        def state_dict(self) -> dict[str, object]:
+            return {"w": np.ones(2), "lr": 0.5}
+
+        def load_state_dict(self, state: dict[str, object]) -> None:
+            pass
+
+    pd.train.Checkpoint(opt=Stateful(), v=pd.Variable(1.0, name="v")).save(tmp_path / "c")
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "opt/w" in out and "state_dict of Stateful" in out
+    assert "save_counter" in out and "step 1" in out
+    assert "metadata:" not in out  # the state dicts' JSON is polydist's own

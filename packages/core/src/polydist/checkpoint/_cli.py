@@ -28,6 +28,7 @@ __all__ = ["add_parser"]
 
 _VARIABLES_KEY = "polydist_variables"  # what checkpoint.save records per variable
 _OBJECTS_KEY = "polydist_objects"  # what polydist.train.Checkpoint records per entry
+_TRAIN_KEY = "polydist_checkpoint"  # polydist.train.Checkpoint's state dicts (JSON)
 
 
 def add_parser(sub: Any) -> None:
@@ -116,7 +117,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for r in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
     print(f"  {len(manifest.arrays)} variable(s), {total} bytes")
-    extra = {k: v for k, v in manifest.metadata.items() if k not in (_VARIABLES_KEY, _OBJECTS_KEY)}
+    ours = (_VARIABLES_KEY, _OBJECTS_KEY, _TRAIN_KEY)
+    extra = {k: v for k, v in manifest.metadata.items() if k not in ours}
     if extra:
         print(f"  metadata: {extra}")
     if verified is not None:

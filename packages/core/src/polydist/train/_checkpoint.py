@@ -645,7 +645,7 @@ class Checkpoint:
                 where = f"{slot.path or '(root)'} ({type(slot.obj).__qualname__})"
                 states[slot.path] = _encode(slot.obj.state_dict(), slot.path, found, where)
                 for key in found:
-                    objects[key] = {"describe": f"state_dict of {type(slot.obj).__qualname__}"}
+                    objects[key] = {"describe": f"state_dict of {type(slot.obj).__name__}"}
                 arrays.update(found)
             else:
                 leaves: list[tuple[str, Any]] = []
@@ -656,7 +656,7 @@ class Checkpoint:
                     if isinstance(leaf, Variable):
                         variables[key] = _saved_info(leaf)
                     else:
-                        objects[key] = {"describe": f"{type(slot.obj).__qualname__} state"}
+                        objects[key] = {"describe": f"{type(slot.obj).__name__} state"}
         meta = {
             _VARIABLES: variables,
             _OBJECTS: objects,
