@@ -105,3 +105,19 @@ def test_a_mismatched_module_changes_nothing(tmp_path: Path) -> None:
         Checkpoint(model=other).restore(path)
     assert float(other.fc.weight.detach().abs().sum()) == 0.0  # unchanged
     assert np.isfinite(float(net.fc.weight.detach().sum()))
+
+
+def test_an_optimizer_of_other_parameter_groups_changes_nothing(tmp_path: Path) -> None:
+    import polydist as pd
+
+    net, opt = make(0)
+    step(net, opt, 0)
+    v = pd.Variable(np.float32(5.0), name="v")
+    path = Checkpoint(model=net, optimizer=opt, v=v).save(tmp_path / "ckpt")
+    net2, _ = make(1)
+    fewer = torch.optim.Adam(list(net2.parameters())[:2])
+    v2 = pd.Variable(np.float32(0.0), name="v")
+    before = weights(net2)
+    with pytest.raises(CheckpointMismatchError, match=r"parameter groups of sizes \[2\].*\[5\]"):
+        Checkpoint(model=net2, optimizer=fewer, v=v2).restore(path)
+    assert weights(net2) == before and float(v2.numpy()) == 0.0

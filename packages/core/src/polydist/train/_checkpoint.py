@@ -337,6 +337,8 @@ def _encode(value: Any, key: str, arrays: dict[str, np.ndarray], where: str) -> 
 
 def _decode(doc: JSONValue, arrays: Mapping[str, np.ndarray], framework: Any) -> Any:
     if isinstance(doc, dict):
+        if isinstance(arrays, _NoArrays) and ("__tensor__" in doc or "__array__" in doc):
+            return None  # the structure only
         if "__tensor__" in doc:
             return _tensor_from_numpy(framework, arrays[str(doc["__tensor__"])])
         if "__array__" in doc:
@@ -771,10 +773,12 @@ class Checkpoint:
             )
         stored = read_arrays(manifest.path, list(consumed))
         # Convert everything before writing anything, so that a failure changes nothing.
-        actions: list[Callable[[], None]] = []
-        for slot, what in plan:
-            actions.append(_prepare(slot, what, stored))
-        for act in actions:
+        actions = [
+            (isinstance(slot, _VarSlot), _prepare(slot, what, stored)) for slot, what in plan
+        ]
+        # load_state_dict and from_nest first: they may still raise (a torch optimizer
+        # checks its parameter groups), and then no Variable has been written yet.
+        for _, act in sorted(actions, key=lambda a: a[0]):
             act()
         ignored = {_SAVE_COUNTER} if not counter else set()
         unconsumed = [k for k in manifest.arrays if k not in consumed and k not in ignored]
@@ -819,6 +823,13 @@ def _check_state(
     if missing:
         problems.append(f"{missing[0]!r} is named by the manifest but not stored (damaged?)")
         return
+    saved_groups = _group_sizes(_decode(doc, _NoArrays(), None))
+    now_groups = _group_sizes(now)
+    if saved_groups is not None and now_groups is not None and saved_groups != now_groups:
+        problems.append(
+            f"{slot.path!r} ({type(slot.obj).__name__}) has parameter groups of sizes "
+            f"{now_groups} but the checkpoint holds {saved_groups}"
+        )
     if current:
         extra = [k for k in current if k not in keys]
         absent = [k for k in keys if k not in current]
@@ -830,6 +841,20 @@ def _check_state(
         if k in current:
             spec = manifest.arrays[k]
             _check(k, current[k], (spec.shape, spec.dtype.name), problems)  # type: ignore[arg-type]
+
+
+class _NoArrays(dict[str, np.ndarray]):
+    """Decodes a state dict's structure without its arrays."""
+
+
+def _group_sizes(state: Any) -> list[int] | None:
+    """The sizes of an optimizer state dict's ``param_groups`` (torch checks them in
+    ``load_state_dict``, but only after the model before it in a Checkpoint loaded)."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list):
+        return None
+    sizes = [len(g["params"]) for g in groups if isinstance(g, Mapping) and "params" in g]
+    return sizes if len(sizes) == len(groups) else None
 
 
 def _collect_specs(value: Any, key: str, out: dict[str, Any]) -> None:
