@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import optree
 import pytest
 import safetensors.numpy
 
@@ -323,3 +324,52 @@ def test_a_manager_adopts_what_checkpoint_save_wrote(tmp_path: Path) -> None:
     second = manager.save()
     assert second == os.fspath(tmp_path / "ckpt-2")
     assert not Path(first).exists() and manager.checkpoints == [second]
+
+
+class Tree:
+    """A pytree node registered with optree (as a framework registers its containers)."""
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+
+
+optree.register_pytree_node(
+    Tree,
+    lambda t: ((t.a, t.b), None, ("a", "b")),
+    lambda _, children: Tree(*children),
+    # optree's global registry (what _pytree_node sees); its name is private to optree
+    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
+)
+
+
+def test_registered_pytrees_are_nests(tmp_path: Path) -> None:
+    tree = Tree(pd.Variable(1.0, name="x"), [pd.Variable(2.0, name="y")])
+    path = Checkpoint(t=tree).save(tmp_path / "ckpt")
+    assert sorted(safetensors.numpy.load_file(Path(path) / "tensors.safetensors")) == [
+        "save_counter",
+        "t/a",
+        "t/b/0",
+    ]
+    fresh = Tree(pd.Variable(0.0, name="x"), [pd.Variable(0.0, name="y")])
+    Checkpoint(t=fresh).restore(path).assert_consumed()
+    assert (float(fresh.a.numpy()), float(fresh.b[0].numpy())) == (1.0, 2.0)
+    # and inside a registered object's nest, rebuilt with the node's own type
+    register_checkpointable(
+        Box, to_nest=lambda b: Tree(b.params["w"], b.params["b"]), from_nest=_set_tree
+    )
+    try:
+        p2 = Checkpoint(box=Box(3.0)).save(tmp_path / "box")
+        target = Box(0.0)
+        Checkpoint(box=target).restore(p2).assert_consumed()
+        assert target.params["w"].tolist() == [3.0, 3.0]
+    finally:
+        register_checkpointable(
+            Box,
+            to_nest=lambda box: box.params,
+            from_nest=lambda box, nest: setattr(box, "params", nest),
+        )
+
+
+def _set_tree(box: Box, nest: Any) -> None:
+    assert isinstance(nest, Tree)
+    box.params = {"w": nest.a, "b": nest.b}

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import optree
 
 from polydist import _context
 from polydist._arrays import dtype_name
@@ -172,6 +173,14 @@ class _NestSlot:
 _Slot = _VarSlot | _StateSlot | _NestSlot
 
 
+def _pytree_node(x: Any) -> Any:
+    """optree's one-level view of ``x`` if it is a registered pytree node (other than a
+    leaf), else None: pytrees beyond dicts, lists and tuples are nests too."""
+    if isinstance(x, Variable) or optree.tree_is_leaf(x, none_is_leaf=True):
+        return None
+    return optree.tree_flatten_one_level(x, none_is_leaf=True)
+
+
 def _is_namedtuple(x: object) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
@@ -216,6 +225,11 @@ def _walk(obj: Any, path: str, out: list[_Slot], seen: dict[int, str], where: st
     if isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             _walk(v, _join(path, i), out, seen, where)
+        return
+    node = _pytree_node(obj)
+    if node is not None:
+        for entry, child in zip(node.entries, node.children):
+            _walk(child, _join(path, entry), out, seen, where)
         return
     variables = getattr(obj, "variables", None)
     if variables is not None and not isinstance(variables, (str, bytes)):
@@ -396,6 +410,9 @@ def _nest_leaves(nest: Any, path: str, out: list[tuple[str, Any]]) -> None:
     elif isinstance(nest, (list, tuple)):
         for i, v in enumerate(nest):
             _nest_leaves(v, _join(path, i), out)
+    elif (node := _pytree_node(nest)) is not None:
+        for entry, child in zip(node.entries, node.children):
+            _nest_leaves(child, _join(path, entry), out)
     else:
         out.append((path, nest))
 
@@ -411,6 +428,12 @@ def _nest_rebuild(nest: Any, path: str, values: Mapping[str, np.ndarray]) -> Any
         )
     if isinstance(nest, (list, tuple)):
         return type(nest)(_nest_rebuild(v, _join(path, i), values) for i, v in enumerate(nest))
+    node = _pytree_node(nest)
+    if node is not None:
+        children = [
+            _nest_rebuild(c, _join(path, e), values) for e, c in zip(node.entries, node.children)
+        ]
+        return node.unflatten_func(node.metadata, children)
     return values[path]
 
 
