@@ -373,3 +373,58 @@ def test_registered_pytrees_are_nests(tmp_path: Path) -> None:
 def _set_tree(box: Box, nest: Any) -> None:
     assert isinstance(nest, Tree)
     box.params = {"w": nest.a, "b": nest.b}
+
+
+MANAGER_CHILD = r"""
+import sys
+from pathlib import Path
+import numpy as np
+import polydist as pd
+
+root, ready = sys.argv[1:]
+w = pd.Variable(np.zeros((256, 256)), name="w")
+manager = pd.train.CheckpointManager(pd.train.Checkpoint(w=w), root, max_to_keep=2)
+manager.restore_or_initialize()
+Path(ready).write_text("ready")
+while True:
+    w.assign(w.numpy() + 1.0)
+    manager.save()
+"""
+
+
+def test_a_manager_killed_at_random_moments_keeps_a_good_latest(tmp_path: Path) -> None:
+    import random
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "ckpts"
+    rng = random.Random(7)
+    for round_ in range(5):
+        ready = tmp_path / f"ready{round_}"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", MANAGER_CHILD, str(root), str(ready)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.5))
+            assert proc.poll() is None, proc.communicate()[1].decode(errors="replace")
+        finally:
+            proc.kill()
+            proc.communicate(timeout=60)
+        w = pd.Variable(np.zeros((256, 256)), name="w")
+        ckpt = Checkpoint(w=w)
+        latest = latest_checkpoint(root)
+        if latest is None:
+            continue
+        ckpt.restore(latest).assert_consumed()
+        # every save adds 1 to every entry, and the counter counts the saves
+        assert np.all(w.numpy() == float(ckpt.save_counter.numpy()))
+    manager = CheckpointManager(Checkpoint(w=pd.Variable(np.zeros((256, 256)))), root, 2)
+    manager.restore_or_initialize()  # numbering goes on from the restored save_counter
+    assert manager.save() is not None
+    assert not [p for p in root.iterdir() if p.name.startswith(".polydist-tmp-")]
