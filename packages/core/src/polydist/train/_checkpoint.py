@@ -746,9 +746,8 @@ class Checkpoint:
         manifest = read_manifest(save_path)
         slots = self._slots(counter=counter)
         meta = manifest.metadata.get(_META)
-        meta = meta if isinstance(meta, dict) else {}
-        states = meta.get("state_dicts") if isinstance(meta.get("state_dicts"), dict) else {}
-        assert isinstance(states, dict)
+        found = meta.get("state_dicts") if isinstance(meta, dict) else None
+        states: dict[str, JSONValue] = found if isinstance(found, dict) else {}
         consumed: dict[str, None] = {}
         unmatched: list[str] = []
         problems: list[str] = []
