@@ -255,6 +255,7 @@ _WRONG_COUNT_CALLS = {
     "reduce_to": lambda s, v: s.extended.reduce_to("SUM", v, destinations="/cpu:0"),
     "batch_reduce_to": lambda s, v: s.extended.batch_reduce_to("SUM", [(v, v), (v, v)]),
     "run": lambda s, v: s.run(lambda x: x, args=(v,)),
+    "gather": lambda s, v: s.gather(v, axis=0),
 }
 
 

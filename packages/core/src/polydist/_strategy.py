@@ -313,6 +313,7 @@ class StrategyExtended(ExtendedVariablesMixin):
     def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
         if not isinstance(value, DistributedValues):
             return value
+        check_num_components(value, len(self._devices), "strategy.gather")
         components = [convert_to_array(v) for v in value.values]
         for c in components:
             _check_gather_axis(c, axis)
