@@ -370,6 +370,15 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
+def _new_watchdog_after_fork() -> None:
+    global _WATCHDOG
+    _WATCHDOG = _Watchdog()  # a forked child has no watchdog thread: it starts its own
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_watchdog_after_fork)
+
+
 def _report_stuck(run: _Run, slot: _Slot, seconds: float) -> None:
     frame = sys._current_frames().get(run.thread_id)
     where = ""
