@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from polydist import _backend
+from polydist import _cli as cli_module
 from polydist._cli import bench_rows, find_benchmarks_dir, main
 
 SIM_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -414,12 +415,36 @@ def test_bench_errors(
     assert "bad.json" in capsys.readouterr().err
 
 
-def test_find_benchmarks_dir_from_the_working_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_bench_never_runs_scripts_found_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _results_dir(tmp_path)
+    # A benchmarks/ folder in the working directory (or a parent) is someone else's code:
+    # `polydist bench` without --dir runs only the checkout polydist is installed from.
+    planted = tmp_path / "benchmarks"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    (planted / "bench_planted.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n", encoding="utf-8"
+    )
     sub = tmp_path / "a" / "b"
     sub.mkdir(parents=True)
     monkeypatch.chdir(sub)
-    assert find_benchmarks_dir() == (tmp_path / "benchmarks").resolve()
+    found = find_benchmarks_dir()
+    assert found != planted.resolve()
+    checkout = Path(cli_module.__file__).resolve().parents[4]
+    assert found == checkout / "benchmarks"  # this editable checkout's own benchmarks
+    assert main(["bench", "--only", "planted"]) == 2
+    assert "no benchmark named 'planted'" in capsys.readouterr().err
+    assert not marker.exists()
     assert find_benchmarks_dir(tmp_path / "nowhere") is None
+
+
+def test_bench_without_a_checkout_asks_for_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As if installed from a wheel: site-packages/polydist/_cli.py has no checkout above it.
+    fake = tmp_path / "site-packages" / "polydist" / "_cli.py"
+    monkeypatch.setattr(cli_module, "__file__", str(fake))
+    assert find_benchmarks_dir() is None
+    assert main(["bench", "--no-run"]) == 2
+    assert "--dir PATH" in capsys.readouterr().err

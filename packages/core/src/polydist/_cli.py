@@ -545,33 +545,49 @@ def _is_benchmarks_dir(path: Path) -> bool:
 
 
 def find_benchmarks_dir(explicit: str | os.PathLike[str] | None = None) -> Path | None:
-    """``benchmarks/`` of a polydist checkout: ``explicit``, else under the working
-    directory or one of its parents, else next to the (editable) polydist package."""
+    """``benchmarks/`` of a polydist checkout: ``explicit``, else the one of the checkout
+    this polydist package is installed from (an editable install), else ``None``.
+
+    Never one found from the working directory: `polydist bench` runs the scripts it
+    finds, so it must not pick up ``benchmarks/bench_*.py`` of whatever directory (or
+    parent directory) it is started in.
+    """
     if explicit is not None:
         path = Path(explicit)
         return path if path.is_dir() else None
-    cwd = Path.cwd().resolve()
-    candidates = [d / "benchmarks" for d in (cwd, *cwd.parents)]
+    return _checkout_benchmarks_dir(Path(__file__).resolve())
+
+
+def _checkout_benchmarks_dir(module: Path) -> Path | None:
+    """``benchmarks/`` of the checkout that holds ``module`` (this file), if it is one."""
     # packages/core/src/polydist/_cli.py -> the checkout's root is four levels up.
-    here = Path(__file__).resolve().parents
-    if len(here) > 4:
-        candidates.append(here[4] / "benchmarks")
-    return next((c for c in candidates if _is_benchmarks_dir(c)), None)
+    parents = module.parents
+    if len(parents) <= 4 or (parents[3].name, parents[2].name) != ("packages", "core"):
+        return None  # installed from a wheel: no checkout
+    root = parents[4]
+    if not (root / "packages" / "core" / "pyproject.toml").is_file():
+        return None
+    candidate = root / "benchmarks"
+    return candidate if _is_benchmarks_dir(candidate) else None
 
 
 def _add_bench(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
         help="run the benchmarks of a checkout and print the ratio table",
-        description="Runs benchmarks/bench_*.py of a polydist checkout (found from the working "
-        "directory or the installed package), then prints every ratio in "
+        description="Runs benchmarks/bench_*.py of the polydist checkout this package is "
+        "installed from (or of --dir), then prints every ratio in "
         "benchmarks/results/*.json against its target. Exits 1 if a script fails.",
     )
     p.add_argument("--only", metavar="NAME", help="one benchmark, e.g. sim or torch")
     p.add_argument(
         "--no-run", action="store_true", help="do not run the scripts; read existing results"
     )
-    p.add_argument("--dir", metavar="PATH", help="the benchmarks directory (default: found)")
+    p.add_argument(
+        "--dir",
+        metavar="PATH",
+        help="the benchmarks directory (default: that of the checkout polydist is installed from)",
+    )
     p.set_defaults(handler=_cmd_bench, parser=p)
 
 
@@ -583,10 +599,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         where = (
             f"{args.dir} is not a directory"
             if args.dir
-            else "no benchmarks/ directory found in the working directory, its parents or "
-            "next to the polydist package"
+            else "this polydist is not installed from a checkout with a benchmarks/ directory "
+            "(pip install -e ./packages/core installs it from one)"
         )
-        raise _UsageError(f"{where}. Run it from a polydist checkout, or pass --dir PATH.")
+        raise _UsageError(f"{where}. Pass the benchmarks directory: --dir PATH.")
     results = bench_dir / "results"
     scripts = [s for s in sorted(bench_dir.glob("bench_*.py")) if _matches(s.stem[6:], args.only)]
     if (

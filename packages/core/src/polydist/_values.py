@@ -14,6 +14,7 @@ __all__ = [
     "Mirrored",
     "PerReplica",
     "ValueContext",
+    "check_num_components",
     "regroup",
     "select_replica",
     "value_container",
@@ -133,6 +134,19 @@ def value_container(value: Any) -> Any:
         if result is not None:
             return result
     return value
+
+
+def check_num_components(value: DistributedValues, num_replicas: int, what: str) -> None:
+    """Raises unless ``value`` has one component per replica (``what`` names the call)."""
+    count = len(value.values)
+    if count != num_replicas:
+        raise ValueError(
+            f"{what} got a {type(value).__name__} with {count} value(s), but the strategy has "
+            f"{num_replicas} replica(s) on this worker: a distributed value needs exactly one "
+            "component per replica. Build it for this strategy (strategy.run's result, "
+            "strategy.experimental_distribute_values_from_function, or a distributed dataset) "
+            f"rather than by hand with {count} value(s)."
+        )
 
 
 def select_replica(replica_id: int, structured: Any) -> Any:
