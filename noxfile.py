@@ -202,7 +202,7 @@ TORCH_XLA_PURE = [
     "numpy",
     "pyyaml",
     "requests",
-    "hatchling>=1.24",  # builds the local packages without build isolation
+    "hatchling>=1.27",  # builds the local packages without build isolation (PEP 639 license-files)
 ]
 # polydist's own dependencies (core, sim, conformance, backend-torch) and the test tools.
 POLYDIST_PURE = [
