@@ -7,13 +7,12 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from polydist import _variables
 from polydist._values import select_replica
 from polydist.backend import Capabilities, EagerReplicaRunner
-from polydist_jax import _collectives, _devices, _functional, _input, _tpu
+from polydist_jax import _collectives, _devices, _functional, _input, _namespace, _tpu
 from polydist_jax._eager_grad import DifferentiableChannel
 from polydist_jax._lazy import is_tracer
 from polydist_jax._spmd import CompiledRunner, Uneven
@@ -144,7 +143,8 @@ class JaxBackend:
 
     # -- devices -------------------------------------------------------------------------
     def array_namespace(self) -> Any:
-        return jnp
+        """``jax.numpy``, with core's exact division for MEAN (``polydist_jax._namespace``)."""
+        return _namespace
 
     def list_devices(self) -> tuple[str, ...]:
         kinds = [_devices.default_kind()]

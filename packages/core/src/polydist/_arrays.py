@@ -88,7 +88,8 @@ def mean_from_sum(xp: Any, total: Any, count: int) -> Any:
     """TF's MEAN: the SUM divided by ``count`` with true division.
 
     As in TF's ``truediv``, integer (and bool) sums become float64 first; a
-    float sum keeps its dtype.
+    float sum keeps its dtype. The quotient is correctly rounded on every
+    backend (the namespace's ``exact_divide``, if it has one).
     """
     if is_integral(xp, total.dtype):
         with warnings.catch_warnings():
@@ -96,7 +97,10 @@ def mean_from_sum(xp: Any, total: Any, count: int) -> Any:
             # Capabilities.float64=False) gives its widest float instead.
             warnings.simplefilter("ignore", UserWarning)
             total = xp.astype(total, xp.float64)
-    mean = total / count
+    # XLA turns x / n into x * (1/n) (1 ulp off for a third of values): a namespace
+    # whose compiler does so divides exactly itself (polydist_jax's exact_divide).
+    divide = getattr(xp, "exact_divide", None)
+    mean = total / count if divide is None else divide(total, count)
     # asarray only to turn NumPy's 0-d result (a scalar) back into an array: on
     # a torch tensor that tracks gradients it would warn (torch >= 2.13).
     return mean if is_array(mean) else xp.asarray(mean)
