@@ -85,7 +85,6 @@ from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS, MultiProcessMirrore
 from polydist.backend import pack_by_dtype
 from polydist.cluster_resolver import ClusterResolver
 from polydist_jax._backend import JaxBackend
-from polydist_jax._eager_grad import DifferentiableChannel
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
 from polydist_jax._spmd import CompiledRunner, _Mesh
 from polydist_jax._typed import pspec, psum
@@ -696,7 +695,7 @@ class JaxProcessBackend(JaxBackend):
         self._task: tuple[str, int] | None = None
         self._timeout = DEFAULT_TIMEOUT_SECONDS
         self._addresses: list[str] = []
-        self._runners = mp.ReplicaRunners(timeout_seconds, DifferentiableChannel)
+        self._runners = mp.ReplicaRunners(timeout_seconds, self._eager_channel)
         if not hasattr(self, "_eager"):
             raise RuntimeError(
                 "polydist_jax.JaxBackend no longer has the _eager runner that JaxProcessBackend "
