@@ -384,3 +384,62 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "multi_worker_train
 @pytest.mark.skipif(not EXAMPLE.exists(), reason="runs from a checkout of the repository")
 def test_the_multi_worker_example_trains_to_the_sims_weights_and_resumes(tmp_path: Path) -> None:
     mpt.check_multi_worker_example(ENGINE, EXAMPLE, "jax", tmp_path)
+
+
+# --------------------------------------------------------------------------- the coordinator
+
+# Worker 0 of a one-process cluster: which addresses listen on the coordinator's port.
+_BIND_CHILD = """
+import ipaddress, json, socket, sys
+import polydist_jax
+
+with socket.socket() as s:  # a free port
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+polydist_jax.initialize_multi_worker(f"127.0.0.1:{port}", 1, 0, timeout_seconds=30)
+listening = []
+for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    with open(table) as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                # /proc writes each 32-bit word of the address in host (little-endian) order.
+                words = [address[i : i + 8] for i in range(0, len(address), 8)]
+                raw = b"".join(bytes.fromhex(word)[::-1] for word in words)
+                ip = ipaddress.ip_address(raw)
+                listening.append(str(getattr(ip, "ipv4_mapped", None) or ip))
+print(json.dumps(listening))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads Linux's /proc/net")
+def test_the_coordinator_listens_only_on_the_address_the_cluster_gives() -> None:
+    """jax.distributed's default binds [::]:PORT, every interface; polydist binds the
+    coordinator address itself (127.0.0.1 here, as under `polydist launch`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ENGINE.unset}
+    env.pop("JAX_COORDINATOR_BIND_ADDRESS", None)
+    child = subprocess.run(
+        [sys.executable, "-c", _BIND_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    listening = json.loads(child.stdout.strip().splitlines()[-1])
+    assert listening == ["127.0.0.1"], listening
+
+
+def test_the_bind_address_is_explicit_else_jax_s_variable_else_the_coordinator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from polydist_jax._multi_worker import _bind_address
+
+    monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+    assert _bind_address("10.0.0.5:1234") == "10.0.0.5:1234"
+    assert _bind_address("10.0.0.5:1234", "[::]:1234") == "[::]:1234"
+    monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:1234")
+    assert _bind_address("10.0.0.5:1234") == "0.0.0.0:1234"
+    with pytest.raises(ValueError, match=r"'host0' is not HOST:PORT.*\[::\]:1234"):
+        _bind_address("10.0.0.5:1234", "host0")

@@ -239,13 +239,18 @@ def initialize(
     *,
     local_devices: int | None = None,
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    coordinator_bind_address: str | None = None,
 ) -> tuple[int, int]:
     """``jax.distributed.initialize`` with polydist's bounds; returns ``(process_id, count)``.
 
     Arguments default to ``$JAX_COORDINATOR_ADDRESS`` (or
     ``$POLYDIST_COORDINATOR_ADDRESS``), ``$POLYDIST_NUM_PROCESSES`` and
-    ``$POLYDIST_PROCESS_ID``, which ``polydist launch`` sets. ``local_devices``
-    sets ``jax_num_cpu_devices`` on CPU. Must run before JAX's backends start
+    ``$POLYDIST_PROCESS_ID``, which ``polydist launch`` sets. Worker 0 hosts JAX's
+    coordination service (unauthenticated) on ``coordinator_bind_address``: default
+    ``$JAX_COORDINATOR_BIND_ADDRESS``, else the coordinator address itself, so it
+    listens only on the interface the cluster names (loopback under ``polydist
+    launch``), not on every interface as JAX's own default (``[::]:PORT``) does.
+    ``local_devices`` sets ``jax_num_cpu_devices`` on CPU. Must run before JAX's backends start
     (before any ``jax.devices()`` or computation). A process that has not
     joined within ``timeout_seconds`` prints why and exits with
     `WATCHDOG_EXIT_CODE`. Calling it again in a joined process is a no-op.
@@ -273,6 +278,7 @@ def initialize(
             "run. Create polydist_jax.MultiWorkerMirroredStrategy (or call polydist_jax."
             "initialize) first thing in the program, before any other JAX call."
         )
+    bind = _bind_address(address, coordinator_bind_address)
     if local_devices is not None:  # only the CPU platform reads it
         _set_cpu_devices(local_devices)
     jax_bound = math.ceil(timeout_seconds) + _JAX_MARGIN_SECONDS
@@ -295,10 +301,26 @@ def initialize(
             index,
             initialization_timeout=jax_bound,
             heartbeat_timeout_seconds=jax_bound,
+            coordinator_bind_address=bind,
         )
     finally:
         watchdog.disarm(armed)
     return index, count
+
+
+def _bind_address(coordinator_address: str, explicit: str | None = None) -> str:
+    """Where worker 0's coordination service listens: ``explicit``, else
+    ``$JAX_COORDINATOR_BIND_ADDRESS``, else ``coordinator_address`` itself (the address
+    the cluster spec gives worker 0: only that interface)."""
+    bind = explicit or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or coordinator_address
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(
+            f"The coordinator's bind address {bind!r} is not HOST:PORT. Pass "
+            "coordinator_bind_address='HOST:PORT' (or set $JAX_COORDINATOR_BIND_ADDRESS), e.g. "
+            "'10.0.0.5:1234' for one interface, or '[::]:1234' for every interface."
+        )
+    return bind
 
 
 def _env_int(name: str) -> int | None:
