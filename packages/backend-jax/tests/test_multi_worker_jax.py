@@ -90,13 +90,37 @@ def test_a_step_compiles_once_and_workers_with_other_shapes_fall_back_together(
 ) -> None:
     jit, per_worker = jax_compiled
     for r in per_worker:
-        # mw_program.STEPS runs of one step function: one trace on each worker, and one
-        # of the function that creates a variable. The gather whose shapes are even on
-        # each worker but differ between them ran eagerly on both (its result equals
-        # the sim's above).
-        assert int(r["compile_count"][0]) == (2 if jit else 0)
+        # mw_program.STEPS runs of one step function: one trace on each worker, one of
+        # the function that creates a variable, and one of the gather whose shapes are
+        # even on each worker but differ between them: traced for its digest (the
+        # workers agree on the traced program), which differs, so it ran eagerly on
+        # both (its result equals the sim's above).
+        assert int(r["compile_count"][0]) == (3 if jit else 0)
         assert int(r["eager_fallback_count"][0]) == (1 if jit else 0)
     assert [int(x) for x in mpt.as_global(per_worker, "replica_id_0")] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("case", mw_program.PROGRAM_CASES)
+def test_workers_whose_closures_trace_other_collectives_raise_mismatch(
+    tmp_path: Path, case: str
+) -> None:
+    """The agreement's digest describes the traced program (its collectives, their shapes,
+    dtypes and reduce ops), not only the function's name and inputs: workers whose step
+    closes over other values do not run two different programs (wrong values on worker 0,
+    a timeout blaming it on worker 1, or no error at all for SUM against MEAN). They fall
+    back to eager runs together, whose collective checks raise CollectiveMismatchError."""
+    codes = ENGINE.run(tmp_path, "programs", "--case", case, "--timeout", "30", timeout=90)
+    assert codes == [17, 17], [mpt.stderr(tmp_path, w)[-2000:] for w in range(mpt.WORKERS)]
+    for w in range(mpt.WORKERS):
+        raised = mpt.error(tmp_path, w)
+        assert raised["type"] == "CollectiveMismatchError", raised
+    want = {
+        "shape": ("all_reduce(SUM) of float32[3]", "all_reduce(SUM) of float32[4]"),
+        "reduce_op": ("all_reduce(SUM) of float32[3]", "all_reduce(MEAN) of float32[3]"),
+        "op": ("all_reduce(SUM) of float32[3]", "all_gather(axis=0) of float32[*]"),
+    }[case]
+    message = mpt.error(tmp_path, 0)["message"]
+    assert all(w in message for w in want), message
 
 
 # --------------------------------------------------------------------------- faults

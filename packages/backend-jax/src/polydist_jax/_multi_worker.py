@@ -10,9 +10,11 @@ one per local device (``local_devices=D``; on CPU this sets
 worker-major, so the mesh's linear index is the global replica id. Each
 worker assembles its global inputs from its own replicas' values, and gets
 back its own replicas' outputs and variable copies. The workers first agree
-on the program (`_Cluster.agree`: a digest of the function and its input
-shapes, one small all-gather); when one differs or cannot compile, every
-worker runs that call eagerly. Eager runs (``jit=False``, or that fallback)
+on the program (`_Cluster.agree`: a digest of the function, its input shapes
+and the collectives of its trace, one small all-gather); when one differs or
+cannot compile, every worker runs that call eagerly (where each collective is
+checked: workers whose steps issue other collectives raise
+``CollectiveMismatchError``). Eager runs (``jit=False``, or that fallback)
 run the D replicas on threads, like ``JaxBackend(jit=False)``: each
 cross-replica collective is a sequential sum (or concatenation) over this
 worker's replicas, then one compiled cross-process step on a mesh of one
@@ -557,8 +559,9 @@ class _Cluster(mp.ClusterMembership):
         if differ:
             return (
                 f"worker(s) {self.describe(differ)} call another program than worker "
-                f"{self.rank}: another function, or inputs of other shapes, dtypes or static "
-                "values (e.g. a partial last batch on some workers)"
+                f"{self.rank}: another function, inputs of other shapes, dtypes or static "
+                "values (e.g. a partial last batch on some workers), or other collectives "
+                "in its trace (closures or globals that differ between workers)"
             )
         return None
 
