@@ -62,3 +62,21 @@ def test_exact_divide_keeps_dtype_and_weak_type() -> None:
     np.testing.assert_array_equal(np.asarray(half), VALUES[0].astype(np.float16) / np.float16(3))
     traced = jax.jit(lambda v: xp.exact_divide(v, 7))(VALUES[0])
     np.testing.assert_array_equal(np.asarray(traced), VALUES[0] / np.float32(7))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["compiled", "eager"])
+def test_reduce_mean_with_axis_is_the_exact_quotient(jit: bool) -> None:
+    """MEAN with an axis divides the sum by the number of elements summed (3 here)."""
+    strategy = pd.MirroredStrategy(3, backend=JaxBackend(jit=jit))
+    rows = [VALUES[r : r + 1] for r in range(3)]
+    total = rows[0][0] + rows[1][0] + rows[2][0]
+    want = total / np.float32(3)
+    assert not np.array_equal(want, total * np.float32(1 / 3))  # the test can fail
+    x = pd.PerReplica([jax.device_put(r, d) for r, d in zip(rows, jax.devices())])
+    np.testing.assert_array_equal(np.asarray(strategy.reduce("MEAN", x, axis=0)), want)
+
+    def step(x: Any) -> Any:
+        return ctx().merge_call(lambda s, v: s.reduce("MEAN", v, axis=0), args=(x,))
+
+    for got in strategy.experimental_local_results(strategy.run(step, (x,))):
+        np.testing.assert_array_equal(np.asarray(got), want)

@@ -12,7 +12,6 @@ Everything else is ``jax.numpy`` itself.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import jax
@@ -22,15 +21,17 @@ from jax import lax
 __all__ = ["exact_divide"]
 
 
-@partial(jax.jit, static_argnums=1)
-def _divide(total: Any, count: int) -> Any:
-    # full_like keeps total's dtype and weak type, so the result's are total / count's.
+@jax.jit
+def _divide(total: Any, count: Any) -> Any:
+    # full_like gives count total's dtype (as NumPy rounds a Python int to it) and weak
+    # type, so the result's are total / count's.
     divisor = lax.full_like(total, count)
     return lax.div(total, lax.optimization_barrier(divisor))  # type: ignore[no-untyped-call]
 
 
-def exact_divide(total: Any, count: int) -> Any:
-    """``total / count``, correctly rounded (``total``: a float or complex array)."""
+def exact_divide(total: Any, count: Any) -> Any:
+    """``total / count``, correctly rounded (``total``: a float or complex array;
+    ``count``: a number or a 0-d array)."""
     total = _jnp.asarray(total)
     if not _jnp.issubdtype(total.dtype, _jnp.inexact):
         return total / count
