@@ -467,3 +467,26 @@ def test_the_bind_address_is_explicit_else_jax_s_variable_else_the_coordinator(
     assert _bind_address("10.0.0.5:1234") == "0.0.0.0:1234"
     with pytest.raises(ValueError, match=r"'host0' is not HOST:PORT.*\[::\]:1234"):
         _bind_address("10.0.0.5:1234", "host0")
+
+
+def test_a_host_name_that_is_loopback_only_here_binds_every_interface(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TF_CONFIG's "host0:1234" on a host whose /etc/hosts maps its own name to 127.0.1.1:
+    the other hosts reach it by its network address, so loopback would lock them out."""
+    import socket
+
+    from polydist_jax._multi_worker import _bind_address
+
+    resolved = {"host0": "127.0.1.1", "host1": "10.0.0.6", "localhost": "127.0.0.1"}
+
+    def getaddrinfo(host: str, port: object) -> list[tuple[object, ...]]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (resolved[host], 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+    assert _bind_address("host0:1234") == "[::]:1234"
+    assert _bind_address("host1:1234") == "host1:1234"
+    assert _bind_address("localhost:1234") == "localhost:1234"
+    assert _bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
+    assert _bind_address("host0:1234", "127.0.1.1:1234") == "127.0.1.1:1234"

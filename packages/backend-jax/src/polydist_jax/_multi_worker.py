@@ -61,10 +61,12 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import ipaddress
 import itertools
 import math
 import operator
 import os
+import socket
 import sys
 import threading
 import time
@@ -313,8 +315,13 @@ def initialize(
 def _bind_address(coordinator_address: str, explicit: str | None = None) -> str:
     """Where worker 0's coordination service listens: ``explicit``, else
     ``$JAX_COORDINATOR_BIND_ADDRESS``, else ``coordinator_address`` itself (the address
-    the cluster spec gives worker 0: only that interface)."""
-    bind = explicit or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or coordinator_address
+    the cluster spec gives worker 0: only that interface). One exception: a host *name*
+    that resolves to loopback here only (Debian and Ubuntu map the machine's own name to
+    127.0.1.1) names this host to the others by its network address, which this process
+    cannot know: the service then listens on every interface (``[::]:PORT``, JAX's
+    default), as before."""
+    override = explicit or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    bind = override or coordinator_address
     host, sep, port = bind.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(
@@ -322,7 +329,27 @@ def _bind_address(coordinator_address: str, explicit: str | None = None) -> str:
             "coordinator_bind_address='HOST:PORT' (or set $JAX_COORDINATOR_BIND_ADDRESS), e.g. "
             "'10.0.0.5:1234' for one interface, or '[::]:1234' for every interface."
         )
+    if not override and _only_loopback_by_name(host):
+        return f"[::]:{port}"
     return bind
+
+
+def _only_loopback_by_name(host: str) -> bool:
+    """Whether ``host`` is a name (not an IP literal, not ``localhost``) whose every
+    address here is a loopback address."""
+    if host.lower() == "localhost":
+        return False
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return False  # an IP literal: bind exactly that
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(host, None)
+    except OSError:
+        return False  # JAX reports an unresolvable name itself
+    addresses = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in found}
+    return bool(addresses) and all(a.is_loopback for a in addresses)
 
 
 def _env_int(name: str) -> int | None:
