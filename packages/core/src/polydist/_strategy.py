@@ -14,6 +14,7 @@ from polydist._arrays import (
     check_summable,
     convert_to_array,
     describe,
+    divide_exactly,
     is_integral,
     mean_from_sum,
 )
@@ -454,8 +455,8 @@ class Strategy:
         numer = xp.asarray(numer)
         with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
             if is_integral(xp, numer.dtype):
-                return xp.asarray(xp.astype(numer, xp.float64) / denom)
-            return xp.asarray(numer / xp.asarray(denom, dtype=numer.dtype))
+                return xp.asarray(divide_exactly(xp, xp.astype(numer, xp.float64), denom))
+            return xp.asarray(divide_exactly(xp, numer, xp.asarray(denom, dtype=numer.dtype)))
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates the per-replica components of ``value`` along ``axis`` on the host.
