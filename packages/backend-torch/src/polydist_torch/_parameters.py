@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import optree
 import torch
 
 import polydist as pd
+from polydist import _nest
 from polydist._variables import swap_storage, tracked_variables
 from polydist_torch._backend import TorchBackend
 
@@ -111,9 +111,7 @@ def _variables(obj: Any) -> list[Any]:
         ]
     if isinstance(obj, pd.Variable):
         return [obj]
-    leaves = optree.tree_leaves(
-        obj, is_leaf=lambda x: isinstance(x, pd.Variable | pd.DistributedValues), none_is_leaf=True
-    )
+    leaves, _ = _nest.flatten(obj, is_leaf=lambda x: isinstance(x, pd.Variable))
     for leaf in leaves:
         if not isinstance(leaf, pd.Variable):
             raise TypeError(
