@@ -33,9 +33,10 @@ def unflatten(aux: tuple[type, Any], children: Iterable[Any]) -> Any:
 def keys(x: Any) -> list[Any]:
     """The keys torch gives ``x``'s children (mapping keys, attribute names, indices)."""
     node = torch_pytree.SUPPORTED_NODES[type(x)]
-    if node.flatten_with_keys_fn is None:  # registered without keys: by position
+    with_keys = getattr(node, "flatten_with_keys_fn", None)
+    if with_keys is None:  # registered without keys: named by position
         return list(range(len(node.flatten_fn(x)[0])))
-    pairs, _ = node.flatten_with_keys_fn(x)
+    pairs, _ = with_keys(x)
     return [_key(k) for k, _ in pairs]
 
 
