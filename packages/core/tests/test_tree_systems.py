@@ -209,6 +209,14 @@ class TestStrategy:
             strategy.run(lambda: Box(1.0, 2.0, f"replica{rid()}"))
 
 
+class TestVariables:
+    def test_a_nest_as_initial_value_says_to_map_over_it(self, fake_system: None) -> None:
+        for nest in (Box(1.0, 2.0), {"w": 1.0, "b": [2.0]}):
+            with pytest.raises(TypeError, match=r"a nest of 2 leaves, but a variable holds one"):
+                pd.Variable(nest)
+        assert pd.Variable([1.0, 2.0]).numpy().tolist() == [1.0, 2.0]  # a list is one array
+
+
 class TestCheckpoint:
     def test_save_and_restore_a_box_of_variables(self, fake_system: None, tmp_path: Path) -> None:
         strategy = pd.MirroredStrategy(2)
