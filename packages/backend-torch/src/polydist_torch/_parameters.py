@@ -41,8 +41,9 @@ def parameters(variables: Any) -> list[list[torch.nn.Parameter]]:
     Args:
         variables: a ``Strategy`` (every trainable floating-point variable it
             created and that is still alive, in creation order), a
-            ``polydist.Variable``, or a list/tuple/dict nest of variables (in
-            the nest's order). Variables must be of the torch backend
+            ``polydist.Variable``, or a nest of variables (lists, tuples, dicts,
+            ``OrderedDict`` state dicts, classes registered with
+            ``torch.utils._pytree``), in the nest's order. Variables must be of the torch backend
             (``TorchBackend``) and have the same number of copies.
 
     Returns:
@@ -115,8 +116,9 @@ def _variables(obj: Any) -> list[Any]:
     for leaf in leaves:
         if not isinstance(leaf, pd.Variable):
             raise TypeError(
-                "polydist_torch.parameters takes a Strategy, a polydist.Variable, or a "
-                f"list/tuple/dict of variables; found a {type(leaf).__name__} in {obj!r}."
+                "polydist_torch.parameters takes a Strategy, a polydist.Variable, or a nest "
+                "(list/tuple/dict/state dict/torch pytree) of variables; found a "
+                f"{type(leaf).__name__} in {obj!r}."
             )
     return list(leaves)
 
