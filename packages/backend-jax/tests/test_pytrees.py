@@ -231,3 +231,29 @@ def test_mismatched_trees_from_replicas_name_the_difference() -> None:
 
     with pytest.raises(ValueError, match="different structures"):
         strategy.run(step)
+
+
+class Tagged:
+    """Registered with node data JAX cannot hash (a list)."""
+
+    def __init__(self, value: Any, tags: list[str]) -> None:
+        self.value, self.tags = value, tags
+
+
+jax.tree_util.register_pytree_node(
+    Tagged, lambda t: ((t.value,), list(t.tags)), lambda tags, c: Tagged(c[0], tags)
+)
+
+
+def test_unhashable_node_data_still_compiles_and_caches(strategy: pd.Strategy) -> None:
+    def step(tree: Any) -> Any:
+        return ctx().all_reduce("SUM", tree)
+
+    for _ in range(2):  # the second call finds the compiled program by structure
+        value = strategy.experimental_distribute_values_from_function(
+            lambda c: Tagged(jnp.full(2, c.replica_id_in_sync_group, jnp.float32), ["a"])
+        )
+        out = strategy.run(step, args=(value,))
+        for local in strategy.experimental_local_results(out):
+            assert type(local) is Tagged and local.tags == ["a"]
+            assert np.asarray(local.value).tolist() == [6.0, 6.0]  # 0 + 1 + 2 + 3

@@ -61,7 +61,7 @@ def flatten_one_level(x: Any) -> tuple[list[Any], Any] | None:
     try:
         key = (type(x), aux, len(children))
         treedef = _treedefs.get(key)
-    except TypeError:  # node data JAX could not hash either: no cache
+    except (TypeError, ValueError):  # node data that cannot key a dict (arrays): no cache
         return children, _one_level_treedef(x)
     if treedef is None:
         if len(_treedefs) >= _TREEDEFS_MAX:
