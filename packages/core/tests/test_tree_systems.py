@@ -76,6 +76,16 @@ class TestNest:
         assert _nest.is_nested(Box(1, 2)) and not _nest.is_nested(Leafy())
         hash(spec)  # specs key compiled programs
 
+    def test_flatten_one_level_gives_keys_and_rebuilds(self, fake_system: None) -> None:
+        node = _nest.flatten_one_level(Box(1, [2], "b"))
+        assert node is not None
+        assert list(node.children) == [1, [2]] and tuple(node.entries) == ("a", "b")
+        rebuilt = node.unflatten_func(node.metadata, ["x", "y"])
+        assert (type(rebuilt), rebuilt.a, rebuilt.b, rebuilt.label) == (Box, "x", "y", "b")
+        assert _nest.flatten_one_level({"k": 1}).entries == ("k",)
+        assert _nest.flatten_one_level(None) is None and _nest.flatten_one_level(1.0) is None
+        assert _nest.flatten_one_level(pd.PerReplica([1.0, 2.0])) is None
+
     def test_map_structure_over_two_trees_checks_structure(self, fake_system: None) -> None:
         out = _nest.map_structure(lambda p, q: p + q, Box(1, 2), Box(10, 20))
         assert (type(out), out.a, out.b) == (Box, 11, 22)

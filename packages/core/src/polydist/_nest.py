@@ -26,6 +26,7 @@ import optree
 __all__ = [
     "NAMESPACE",
     "flatten",
+    "flatten_one_level",
     "flatten_with_path",
     "framework_node",
     "is_nested",
@@ -284,6 +285,17 @@ def is_nested(x: Any) -> bool:
     """True for lists, tuples, namedtuples, dicts (TF's ``nest.is_nested``) and a
     registered framework's pytree nodes."""
     return not optree.tree_is_leaf(x, is_leaf=_is_leaf, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def flatten_one_level(x: Any) -> Any:
+    """optree's one-level view of ``x`` under these rules (``children``, ``metadata``,
+    ``entries``: the children's keys, ``unflatten_func``), or ``None`` for a leaf. For
+    walks over nests that need each level (checkpoint object graphs)."""
+    if _is_leaf(x) or optree.tree_is_leaf(x, none_is_leaf=True, namespace=_PATHS_NAMESPACE):
+        return None
+    return optree.tree_flatten_one_level(
+        x, is_leaf=_is_leaf, none_is_leaf=True, namespace=_PATHS_NAMESPACE
+    )
 
 
 def framework_node(x: Any) -> tuple[list[Any], Any, Callable[[list[Any]], Any]] | None:
