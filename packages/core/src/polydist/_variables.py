@@ -435,6 +435,16 @@ def _initial_array(initial_value: Any, dtype: Any, backend: Backend, name: str |
         initial_value = initial_value()
     value = _read_operand(initial_value)
     xp = backend.array_namespace()
+    if not is_array(value) and not isinstance(value, list | tuple) and _nest.is_nested(value):
+        # A dict or a framework pytree (an nnx.State, an optax state): no one array.
+        count = len(_nest.flatten(value)[0])
+        raise TypeError(
+            f"Variable {name!r}: initial_value is a {type(value).__name__}, a nest of "
+            f"{count} {'leaf' if count == 1 else 'leaves'}, but a variable holds one array. "
+            "Make one variable per leaf with your framework's tree map, e.g. "
+            "jax.tree.map(polydist.Variable, tree) or "
+            "torch.utils._pytree.tree_map(polydist.Variable, tree)."
+        )
     source = value if is_array(value) else convert_to_array(value)
     src_kind = _kind(source.dtype, xp)
     if src_kind not in "biufc":

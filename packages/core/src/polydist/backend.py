@@ -25,6 +25,7 @@ from polydist._eager import EagerReplicaRunner as EagerReplicaRunner
 from polydist._eager import busy_workers as busy_workers
 from polydist._eager import default_timeout as default_timeout
 from polydist._eager import timeout_seconds_from_env as timeout_seconds_from_env
+from polydist._nest import register_tree_system as register_tree_system
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -43,5 +44,6 @@ __all__ = [
     "mean_from_sum",
     "pack_by_dtype",
     "pack_by_size",
+    "register_tree_system",
     "timeout_seconds_from_env",
 ]
