@@ -198,9 +198,7 @@ def batches(total: int, batch: int) -> Dataset:
     weights = rng.uniform(0.5, 2.0, size=total).astype(np.float32)
     options = Options()
     options.experimental_distribute.auto_shard_policy = AutoShardPolicy.DATA
-    return (
-        Dataset.from_tensor_slices((labels, logits, weights)).batch(batch).with_options(options)
-    )
+    return Dataset.from_tensor_slices((labels, logits, weights)).batch(batch).with_options(options)
 
 
 def single_device(total: int, batch: int) -> dict[str, float]:
