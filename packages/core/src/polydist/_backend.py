@@ -57,8 +57,24 @@ ARRAY_TYPES_GROUP = "polydist.array_types"
 ENV_VAR = "POLYDIST_BACKEND"
 DEFAULT_BACKEND = "sim"
 
-# Where to get the backends we know of, for the "not installed" message.
-KNOWN_PACKAGES = {"sim": "polydist-sim", "jax": "polydist-jax", "torch": "polydist-torch"}
+# Where to get the backends we know of, for the "not installed" message. The sim is
+# part of core (polydist._sim); the others are extras: polydist[jax], polydist[torch].
+KNOWN_PACKAGES = {"sim": "polydist", "jax": "polydist-jax", "torch": "polydist-torch"}
+# The same from a polydist checkout, where the backend packages are installed by path.
+CHECKOUT_PATHS = {
+    "sim": "./packages/core",
+    "jax": "./packages/backend-jax",
+    "torch": "./packages/backend-torch",
+}
+
+
+def install_hint(name: str) -> str:
+    """How to install backend ``name``: ``"pip install polydist-jax (from a polydist
+    checkout: pip install ./packages/backend-jax)"``."""
+    package = KNOWN_PACKAGES.get(name)
+    if package is None:
+        return f"install the package that provides the {name!r} backend"
+    return f"pip install {package} (from a polydist checkout: pip install {CHECKOUT_PATHS[name]})"
 
 
 @dataclass(frozen=True)
@@ -325,7 +341,6 @@ def get_backend(backend: str | Backend | None = None) -> Backend:
         ep = entry_points.get(name)
         if ep is None:
             installed = ", ".join(sorted(entry_points)) or "none"
-            package = KNOWN_PACKAGES.get(name, f"the package that provides the {name!r} backend")
             source = (
                 "argument backend="
                 if backend
@@ -335,7 +350,7 @@ def get_backend(backend: str | Backend | None = None) -> Backend:
             )
             raise BackendNotFoundError(
                 f"No polydist backend named {name!r} (from {source}). Installed backends: "
-                f"{installed}. To use it, install it: pip install {package}."
+                f"{installed}. To use it, {install_hint(name)}."
             )
         factory = ep.load()
         instance = factory()
