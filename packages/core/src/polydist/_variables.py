@@ -438,7 +438,11 @@ def _initial_array(initial_value: Any, dtype: Any, backend: Backend, name: str |
     source = value if is_array(value) else convert_to_array(value)
     src_kind = _kind(source.dtype, xp)
     if src_kind not in "biufc":
-        raise TypeError(_unusable_value(f"Variable {name!r}: initial_value", source, backend))
+        raise TypeError(
+            _foreign_value(f"Variable {name!r}: initial_value", source, backend)
+            or f"Variable {name!r}: initial_value has dtype {dtype_name(source.dtype)}, which a "
+            "variable cannot hold; use bool, integer, floating or complex values."
+        )
     if dtype is None:
         return _copy(source, xp)
     target = _resolve_dtype(dtype, xp)
@@ -452,8 +456,11 @@ def _initial_array(initial_value: Any, dtype: Any, backend: Backend, name: str |
     return xp.asarray(value if not is_array(value) else source, dtype=target, copy=True)
 
 
-def _unusable_value(what: str, source: Any, backend: Backend) -> str:
-    """Why ``backend`` cannot take ``source`` (an array whose dtype kind it does not know)."""
+def _foreign_value(what: str, source: Any, backend: Backend) -> str | None:
+    """Why ``backend`` cannot take ``source`` when it is another library's array (a
+    ``torch.Tensor`` on the sim), else ``None``."""
+    if isinstance(source, np.ndarray | np.generic):
+        return None
     cls = type(source)
     type_name = f"{cls.__module__}.{cls.__qualname__}"
     dtype = dtype_name(source.dtype)
@@ -469,17 +476,14 @@ def _unusable_value(what: str, source: Any, backend: Backend) -> str:
         numeric = np.dtype(dtype).kind in "biufc"
     except TypeError:  # a name NumPy does not define (bfloat16 without ml_dtypes)
         numeric = dtype.startswith(("bfloat", "float"))
-    if numeric and not isinstance(source, np.ndarray | np.generic):
+    if numeric:
         return (
             f"{what} is a {type_name} (dtype {dtype}), which backend {backend.name!r} does not "
             "take: it takes its own arrays, NumPy arrays and Python numbers. Convert the value "
             "to NumPy first (np.asarray(value)), or install and use the backend that owns "
             f"{type_name}."
         )
-    return (
-        f"{what} has dtype {dtype}, which a variable cannot hold; use bool, integer, floating "
-        "or complex values."
-    )
+    return None
 
 
 def _common_name(name: str) -> str:
@@ -899,7 +903,9 @@ class Variable(metaclass=_VariableMeta):
         source = convert_to_array(value) if python_value else value
         src_kind, dst_kind = _kind(source.dtype, xp), _kind(target, xp)
         if src_kind == "?":
-            raise TypeError(_unusable_value(f"The value to {op}", source, self._backend))
+            foreign = _foreign_value(f"The value to {op}", source, self._backend)
+            if foreign is not None:
+                raise TypeError(foreign)
         if dst_kind not in _CASTS.get(src_kind, ""):
             raise TypeError(
                 f"Cannot {op} a {describe(source)} value to variable {self._name!r} of dtype "
