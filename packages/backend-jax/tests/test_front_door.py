@@ -86,3 +86,17 @@ def test_metrics_update_inside_run(jit: bool) -> None:
     assert backend.eager_fallback_count == 0
     if jit:
         assert backend.compile_count == 1  # one program, reused by the second step
+
+
+def test_a_metric_from_outside_the_scope_says_so_in_a_compiled_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("POLYDIST_BACKEND", raising=False)
+    mean = metrics.Mean()  # outside any scope: plain variables on the sim
+    strategy = pd.MirroredStrategy(2, backend=JaxBackend())
+    values = strategy.experimental_distribute_values_from_function(lambda ctx: jnp.ones(2))
+    with pytest.raises(TypeError, match=r"created outside the strategy's scope"):
+        strategy.run(mean.update_state, args=(values,))
+    # Outside any strategy, JAX values are read through NumPy.
+    mean.update_state(jnp.asarray([1.0, 2.0]))
+    assert float(mean.result()) == 1.5

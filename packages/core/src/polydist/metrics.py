@@ -54,7 +54,7 @@ import numpy as np
 
 from polydist import _context
 from polydist._arrays import convert_to_array, dtype_name, is_array
-from polydist._backend import Backend, backends_owning, get_backend_for_value
+from polydist._backend import Backend, backends_owning, get_backend_for_value, is_symbolic
 from polydist._values import DistributedValues
 from polydist._variables import (
     SyncOnReadVariable,
@@ -115,7 +115,15 @@ def _as_array(xp: Any, value: Any, what: str, backend: Backend | None = None) ->
         owners = backends_owning(value)
         if backend is None or not owners or backend.name in owners:
             return value
-        value = np.asarray(get_backend_for_value(value).to_numpy(value))
+        owner = get_backend_for_value(value)
+        if is_symbolic(owner, value):
+            raise TypeError(
+                f"{what} is a value of a compiled {owner.name!r} program, but the metric's "
+                f"variables are on backend {backend.name!r}: the metric was created outside "
+                "the strategy's scope. Create it under strategy.scope(), so that each replica "
+                "updates its own copy."
+            )
+        value = np.asarray(owner.to_numpy(value))
     return xp.asarray(convert_to_array(value))
 
 
