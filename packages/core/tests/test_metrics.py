@@ -112,6 +112,9 @@ def test_names_dtype_and_variables() -> None:
     assert total.synchronization is VS.ON_READ and total.aggregation is VA.SUM
     assert not total.trainable
     assert metrics.Mean(name="loss", dtype="float64").variables[0].dtype == np.float64
+    for dtype in (np.float64, np.dtype("float64")):
+        wide = metrics.Mean(dtype=dtype)
+        assert wide.dtype == "float64" and wide.variables[1].dtype == np.float64
     assert m.get_config() == {"name": "sparse_categorical_accuracy", "dtype": "float32"}
     assert repr(metrics.Sum()) == "<Sum name=sum>"
 

@@ -92,6 +92,13 @@ def _snake_case(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
+def _dtype_text(dtype: Any) -> str:
+    """A dtype argument by name: ``"float32"``, ``np.float32``, ``np.dtype``, torch's or JAX's."""
+    if isinstance(dtype, type) and issubclass(dtype, np.generic):
+        return np.dtype(dtype).name
+    return dtype_name(dtype)
+
+
 def _xp_of(variable: Variable) -> Any:
     return variable._backend.array_namespace()
 
@@ -234,7 +241,7 @@ class Metric:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"Metric name must be a str or None, got {type(name).__name__}.")
         self.name: str = name or _snake_case(type(self).__name__)
-        self._dtype = FLOATX if dtype is None else dtype_name(dtype)
+        self._dtype = FLOATX if dtype is None else _dtype_text(dtype)
         self._variables: list[Variable] = []
 
     @property
@@ -272,7 +279,7 @@ class Metric:
                 ``polydist.VariableAggregation``.
             name: the variable's name within the metric.
         """
-        dtype_ = self._dtype if dtype is None else dtype_name(dtype)
+        dtype_ = self._dtype if dtype is None else _dtype_text(dtype)
         shape_ = tuple(int(d) for d in shape)
         if isinstance(aggregation, str):
             if aggregation not in _AGGREGATIONS:
