@@ -100,3 +100,8 @@ def test_a_metric_from_outside_the_scope_says_so_in_a_compiled_run(
     # Outside any strategy, JAX values are read through NumPy.
     mean.update_state(jnp.asarray([1.0, 2.0]))
     assert float(mean.result()) == 1.5
+
+
+def test_loss_helpers_outside_any_strategy_take_jax_arrays() -> None:
+    average = pd.nn.compute_average_loss(jnp.asarray([1.0, 2.0, 3.0]), global_batch_size=3)
+    assert isinstance(average, type(jnp.zeros(1))) and float(average) == 2.0

@@ -90,3 +90,16 @@ def test_metrics_on_torch_replicas() -> None:
     result = accuracy.result()
     assert isinstance(result, torch.Tensor) and result.dtype == torch.float32
     assert float(result) == pytest.approx(2 / 3)
+
+
+def test_loss_helpers_outside_any_strategy_take_tensors() -> None:
+    # The default strategy computes with the namespace of the tensor's backend.
+    losses = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    average = pd.nn.compute_average_loss(losses, global_batch_size=3)
+    assert isinstance(average, torch.Tensor) and float(average.detach()) == 2.0
+    average.backward()
+    assert losses.grad is not None and losses.grad.tolist() == pytest.approx([1 / 3] * 3)
+    in_run = pd.get_strategy().run(lambda: pd.nn.compute_average_loss_exact(losses))
+    assert isinstance(in_run, torch.Tensor) and float(in_run.detach()) == 2.0
+    regularization = pd.get_strategy().run(lambda: pd.nn.scale_regularization_loss(losses))
+    assert float(regularization.detach()) == 6.0
