@@ -221,14 +221,82 @@ def _two_sum(a: _F64, b: _F64) -> tuple[_F64, _F64]:
 
 
 def _exact_float(arrays: Sequence[_Array]) -> _Array:
-    dtype = arrays[0].dtype
-    flat = [np.asarray(a, np.float64).reshape(-1) for a in arrays]
-    s = flat[0].copy()
+    dtype, shape, n = arrays[0].dtype, arrays[0].shape, len(arrays)
+    # np.array stacks a list of same-shape arrays fastest (np.stack is slower).
+    x = np.array(arrays, dtype=dtype).reshape(n, math.prod(shape))
+    if dtype == np.float64:
+        return _sum_double_double(x, dtype).reshape(shape)
+    # Widening to float64 is exact for every float we sum; the reduction
+    # casts in small buffers, so no (N, size) float64 copy is made.
+    s = np.add.reduce(x, axis=0, dtype=np.float64, initial=-0.0)
+    out = _round_exact(s, dtype)
+    slow = _inexact_in_float64(x, dtype)
+    if slow is not None:
+        out[slow] = _sum_double_double(x[:, slow].astype(np.float64), dtype)
+    return out.reshape(shape)
+
+
+def _inexact_in_float64(x: _Array, dtype: np.dtype[Any]) -> _Array | None:
+    """Indices of the columns of ``x`` (N, k) whose sum in float64 may be
+    inexact (None if there are none); every other column's is exact, in any order.
+
+    Every value of a column is an integer multiple of ``2**qe``, the target's
+    ulp at the column's smallest nonzero magnitude, and the column's partial
+    sums stay below ``N * max|x| < 2**(e_hi + ceil(log2 N))`` (``2**e_hi``
+    bounds ``max|x|``).  When that is at most ``2**(qe + 53)`` every partial
+    sum is an integer multiple of ``2**qe`` with at most 53 bits, which
+    float64 holds exactly: for float32 (24 bits) a column may span
+    ``29 - ceil(log2 N)`` binades, for float16 ``42 - ceil(log2 N)``.
+    Columns with an inf or nan are never fast.  The whole matrix is tested
+    first (the common case), then column by column.
+    """
+    n = x.shape[0]
+    fi = _finfo(dtype)
+    slack = 52 - int(fi.nmant) - (n - 1).bit_length()
+    if _extension_finfo(dtype) is None:
+        # IEEE float16/float32: the exponent fields of the bits themselves.
+        bits = x.view(np.uint16 if dtype.itemsize == 2 else np.uint32)
+        shift, emin_field = int(fi.nmant), 1
+        emax_field = (1 << (8 * dtype.itemsize - 1 - shift)) - 1
+    else:
+        # ml_dtypes' floats: the exact float64 values, whose exponent field is
+        # frexp's exponent + 1022; the target's subnormals share the ulp of
+        # its smallest normal.
+        bits = x.astype(np.float64).view(np.uint64)
+        shift, emax_field, emin_field = 52, 0x7FF, int(fi.minexp) + 1023
+    # |x| as unsigned integers orders like |x|; (|x| - 1) wraps 0 to the
+    # largest integer, so its minimum + 1 is the smallest nonzero |x| (or 0).
+    top = (1 << (8 * bits.itemsize)) - 1
+    a = np.bitwise_and(bits, top >> 1)
+    hi = int(a.max(initial=0)) >> shift
+    np.subtract(a, 1, out=a)
+    lo = ((int(a.min(initial=top)) + 1) & top) >> shift
+    if hi < emax_field and max(hi, emin_field) - max(lo, emin_field) <= slack:
+        return None
+    col_hi = (np.bitwise_and(bits, top >> 1).max(axis=0) >> shift).astype(np.int64)
+    col_lo = ((a.min(axis=0) + 1) >> shift).astype(np.int64)
+    bad = col_hi >= emax_field
+    bad |= np.maximum(col_hi, emin_field) - np.maximum(col_lo, emin_field) > slack
+    idx = np.flatnonzero(bad)
+    return idx if idx.size else None
+
+
+def _round_exact(s: _F64, dtype: np.dtype[Any]) -> _Array:
+    """Round float64 values (each an exact sum) once, correctly, to ``dtype``."""
+    if _extension_finfo(dtype) is None:
+        return s.astype(dtype)  # one IEEE cast: correctly rounded
+    return _round_to_format(s, None, dtype)
+
+
+def _sum_double_double(w: _F64, dtype: np.dtype[Any]) -> _Array:
+    """The exact sums of the columns of ``w`` (N, k) rounded to ``dtype``, by TwoSum
+    double-double (see the module docs), with the exact fallback where needed."""
+    s = w[0].copy()
     big_e = np.zeros_like(s)
     # bad: the second level rounded, or s overflowed, or an input is inf/nan
     # (all of these leave a nonzero or nan error term).
     bad = np.zeros(s.shape, np.bool_)
-    for x in flat[1:]:
+    for x in w[1:]:
         s, e = _two_sum(s, x)
         big_e, f = _two_sum(big_e, e)
         bad |= f != 0
@@ -243,8 +311,8 @@ def _exact_float(arrays: Sequence[_Array]) -> _Array:
         out = _round_to_format(t, r, dtype)
     idx = np.flatnonzero(bad)
     if idx.size:
-        out[idx] = _exact_fallback(np.stack([x[idx] for x in flat]), dtype)
-    return out.reshape(arrays[0].shape)
+        out[idx] = _exact_fallback(w[:, idx], dtype)
+    return out
 
 
 def _narrow(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
@@ -264,7 +332,7 @@ def _narrow(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
     return y
 
 
-def _round_to_format(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
+def _round_to_format(t: _F64, r: _F64 | None, dtype: np.dtype[Any]) -> _Array:
     """``_narrow`` for ml_dtypes' floats, whose casts from float64 round twice
     (through float32): round ``t + r`` to the target's significand here, then
     cast the result, which the target holds exactly unless it is past the
@@ -276,8 +344,9 @@ def _round_to_format(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
     k = np.ldexp(t, -qe)  # t in target ulps: exact, and at most 2**(nmant + 1)
     m = np.rint(k)  # ties to even
     # On a midpoint of t the residual r says on which side the exact value lies.
-    mid = (np.abs(k - np.trunc(k)) == 0.5) & (r != 0)
-    m = np.where(mid, np.where(r > 0, np.ceil(k), np.floor(k)), m)
+    if r is not None:  # None: t is exact
+        mid = (np.abs(k - np.trunc(k)) == 0.5) & (r != 0)
+        m = np.where(mid, np.where(r > 0, np.ceil(k), np.floor(k)), m)
     y: _Array = np.ldexp(m, qe).astype(dtype)
     return y
 
