@@ -82,6 +82,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
@@ -222,8 +223,13 @@ def _two_sum(a: _F64, b: _F64) -> tuple[_F64, _F64]:
 
 def _exact_float(arrays: Sequence[_Array]) -> _Array:
     dtype, shape, n = arrays[0].dtype, arrays[0].shape, len(arrays)
-    # np.array stacks a list of same-shape arrays fastest (np.stack is slower).
-    x = np.array(arrays, dtype=dtype).reshape(n, math.prod(shape))
+    size = math.prod(shape)
+    x = _scratch("stack", n * size, dtype)
+    if x is None:  # np.array stacks a short list fastest
+        x = np.array(arrays, dtype=dtype)
+    else:
+        np.stack(arrays, out=x.reshape((n, *shape)))
+    x = x.reshape(n, size)
     if dtype == np.float64:
         return _sum_double_double(x, dtype).reshape(shape)
     # Widening to float64 is exact for every float we sum; the reduction
@@ -234,6 +240,26 @@ def _exact_float(arrays: Sequence[_Array]) -> _Array:
     if slow is not None:
         out[slow] = _sum_double_double(x[:, slow].astype(np.float64), dtype)
     return out.reshape(shape)
+
+
+# Reused buffers for the (N, size) matrices of _exact_float: fresh ones of a few
+# MB cost more (page faults) than the sums.  Per thread, at most this large each.
+_SCRATCH = threading.local()
+_SCRATCH_MAX_BYTES = 1 << 24
+
+
+def _scratch(name: str, count: int, dtype: np.dtype[Any]) -> _Array | None:
+    """This thread's buffer ``name`` as an uninitialised 1-d array of ``count``
+    ``dtype`` items (it must not outlive the call that asked for it), or None
+    for a size better allocated afresh (small ones come from malloc's free lists)."""
+    nbytes = count * dtype.itemsize
+    if nbytes > _SCRATCH_MAX_BYTES or nbytes < 1 << 16:
+        return None
+    buf: _Array | None = getattr(_SCRATCH, name, None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(nbytes, np.uint8)
+        setattr(_SCRATCH, name, buf)
+    return buf[:nbytes].view(dtype)
 
 
 def _inexact_in_float64(x: _Array, dtype: np.dtype[Any]) -> _Array | None:
@@ -267,7 +293,8 @@ def _inexact_in_float64(x: _Array, dtype: np.dtype[Any]) -> _Array | None:
     # |x| as unsigned integers orders like |x|; (|x| - 1) wraps 0 to the
     # largest integer, so its minimum + 1 is the smallest nonzero |x| (or 0).
     top = (1 << (8 * bits.itemsize)) - 1
-    a = np.bitwise_and(bits, top >> 1)
+    buf = _scratch("bits", bits.size, bits.dtype)
+    a = np.bitwise_and(bits, top >> 1, out=None if buf is None else buf.reshape(bits.shape))
     hi = int(a.max(initial=0)) >> shift
     np.subtract(a, 1, out=a)
     lo = ((int(a.min(initial=top)) + 1) & top) >> shift
@@ -291,18 +318,16 @@ def _round_exact(s: _F64, dtype: np.dtype[Any]) -> _Array:
 def _sum_double_double(w: _F64, dtype: np.dtype[Any]) -> _Array:
     """The exact sums of the columns of ``w`` (N, k) rounded to ``dtype``, by TwoSum
     double-double (see the module docs), with the exact fallback where needed."""
-    s = w[0].copy()
+    sums, bad = _distill(w)
+    s = sums[0]
     big_e = np.zeros_like(s)
-    # bad: the second level rounded, or s overflowed, or an input is inf/nan
-    # (all of these leave a nonzero or nan error term).
-    bad = np.zeros(s.shape, np.bool_)
-    for x in w[1:]:
+    for x in sums[1:]:
         s, e = _two_sum(s, x)
         big_e, f = _two_sum(big_e, e)
         bad |= f != 0
     t, r = _two_sum(s, big_e)
-    # An exact zero: s is -0.0 exactly when every input was -0.0.
-    t = np.where(t == 0, np.where((s == 0) & np.signbit(s), -0.0, 0.0), t)
+    # An exact zero: the first sum is -0.0 exactly when every input was -0.0.
+    t = np.where(t == 0, np.where((sums[0] == 0) & np.signbit(sums[0]), -0.0, 0.0), t)
     if dtype == np.float64:
         out = t
     elif _extension_finfo(dtype) is None:
@@ -313,6 +338,63 @@ def _sum_double_double(w: _F64, dtype: np.dtype[Any]) -> _Array:
     if idx.size:
         out[idx] = _exact_fallback(w[:, idx], dtype)
     return out
+
+
+_DISTILL_LEVELS = 4
+# Past this many values the trees' temporaries leave the cache, and summing row
+# by row (a few calls per replica, each on cache-sized rows) is faster.
+_TREE_MAX_SIZE = 1 << 15
+
+
+def _distill(w: _F64) -> tuple[list[_F64], npt.NDArray[np.bool_]]:
+    """A few rows ``sums`` whose column sums equal those of ``w`` (N, k) exactly,
+    and the columns where that failed (an inf or nan, an overflow, or errors
+    left after ``_DISTILL_LEVELS`` levels).
+
+    Each level sums its rows with a TwoSum tree (:func:`_two_sum_tree`), keeps
+    the sum and passes the N - 1 error rows to the next; the errors shrink by
+    about 2**-53 per level and vanish once below the inputs' smallest ulp, so
+    two or three levels usually leave all of them zero.
+    """
+    if w.size > _TREE_MAX_SIZE:
+        return _distill_rows(w)
+    sums = []
+    rows = w
+    for _ in range(_DISTILL_LEVELS):
+        s, errors = _two_sum_tree(rows)
+        sums.append(s)
+        if not errors:
+            return sums, ~np.isfinite(s)
+        rows = np.concatenate(errors)
+        if not rows.any():  # a nan error (inf/nan input, overflow) counts as nonzero
+            return sums, np.zeros(s.shape, np.bool_)
+    bad = np.asarray(rows.any(axis=0))
+    return sums, bad
+
+
+def _distill_rows(w: _F64) -> tuple[list[_F64], npt.NDArray[np.bool_]]:
+    """:func:`_distill` row by row: ``s`` accumulates the rows with TwoSum, ``E``
+    their errors with a second TwoSum; where that made no error, ``s + E`` is exact."""
+    s = w[0].copy()
+    big_e = np.zeros_like(s)
+    bad = np.zeros(s.shape, np.bool_)
+    for x in w[1:]:
+        s, e = _two_sum(s, x)
+        big_e, f = _two_sum(big_e, e)
+        bad |= f != 0
+    return [s, big_e], bad
+
+
+def _two_sum_tree(w: _F64) -> tuple[_F64, list[_F64]]:
+    """Sum the rows of ``w`` (N, k) pairwise with TwoSum, all pairs of a level at
+    once: ``s`` (k,) and the levels' error rows, with ``s + sum(errors)`` exact."""
+    errors = []
+    while w.shape[0] > 1:
+        half = w.shape[0] // 2
+        s, e = _two_sum(w[:half], w[half : 2 * half])
+        errors.append(e)
+        w = np.concatenate([s, w[2 * half :]]) if w.shape[0] % 2 else s
+    return w[0], errors
 
 
 def _narrow(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
