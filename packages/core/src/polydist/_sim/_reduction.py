@@ -11,26 +11,58 @@ and several that model what real runtimes do:
     is independent of the replica order *and* of the replica count (splitting a
     value ``v`` into ``v/2 + v/2`` on two replicas gives the same bits), which
     makes it the right reference for ``ReduceOp.SUM``: any real backend's
-    result differs from it only by its own rounding.  Algorithm: widen to
-    float64 (exact for float16/32/64) and accumulate with Knuth's TwoSum, so
-    that ``s + sum(e_i)`` is the exact sum; sum the ``e_i`` with a second
-    TwoSum level into ``E``.  Where that second level made no rounding error
-    the exact sum is the double-double ``s + E`` and ``fl64(s + E)`` is the
-    correctly rounded float64.  For float32/float16, ``t = fl64(s + E)`` is
-    then cast to the target; this double rounding can only be wrong when
-    ``t`` lies exactly on a midpoint between two target values, and there the
-    sign of the residual ``(s + E) - t`` picks the neighbour.  Elements whose
-    second level was inexact, whose float64 accumulation overflowed, or that
-    hold inf/nan (all rare) go through an exact per-element path in Python
-    integers (the values are dyadic rationals).  Non-finite inputs follow
+    result differs from it only by its own rounding.  Algorithm, vectorised
+    over replicas and elements (the N arrays are stacked into one (N, size)
+    matrix; no Python loop runs per replica or per element on the common path):
+
+    1. *One float64 sum, where provably exact.*  Widening to float64 is exact
+       for every float we sum.  Every value of a column (one element across
+       the replicas) is a multiple of the target's ulp ``2**qe`` at the
+       column's smallest nonzero magnitude, and its partial sums stay below
+       ``N * max|x| < 2**(e_hi + ceil(log2 N))``; when that bound is at most
+       ``2**(qe + 53)``, float64 holds every partial sum exactly, in any
+       order.  For float32 inputs that allows a spread of ``29 -
+       ceil(log2 N)`` binades between a column's largest and smallest
+       nonzero exponents (``42 - ceil(log2 N)`` for float16), which ordinary
+       data (gradients, losses) meets.  The test reads the exponents from the
+       bits: the maximum, and the minimum nonzero, of ``|x|`` as unsigned
+       integers, over the whole matrix first and column by column only where
+       that fails.  There the exact sum is ``np.add.reduce`` in float64
+       (started from -0.0, IEEE's additive identity, so that an exact zero
+       keeps IEEE's sign) and one correctly rounded cast.  Columns that fail
+       the test, or hold inf/nan, take the next path; float64 inputs always do.
+    2. *TwoSum double-double.*  Knuth's TwoSum gives ``s`` and errors with
+       ``s + sum(e_i)`` exactly the sum.  The rows are added pairwise, a
+       whole tree level per NumPy call; the N - 1 error rows are summed the
+       same way, and so on (distillation) until every error is zero, which
+       takes two or three levels (errors shrink by ~2**-53 per level and
+       vanish below the inputs' smallest ulp).  Then a few values per
+       element remain whose sum is exact; a TwoSum chain with a second level
+       ``E`` adds them, and where that second level made no rounding error
+       the exact sum is the double-double ``s + E`` and ``fl64(s + E)`` is
+       the correctly rounded float64.  Wide matrices (more than 2**15
+       values) are summed row by row instead (``s`` and ``E`` accumulated
+       over the replicas, each call on a cache-sized row), which is faster
+       there.  For float32/float16, ``t = fl64(s + E)`` is then cast to the
+       target; this double rounding can only be wrong when ``t`` lies
+       exactly on a midpoint between two target values, and there the sign
+       of the residual ``(s + E) - t`` picks the neighbour.
+    3. *Python integers.*  Elements whose errors did not vanish, whose
+       float64 accumulation overflowed, or that hold inf/nan (all rare) go
+       through an exact per-element path in Python integers (the values are
+       dyadic rationals).
+
+    Every path computes the correctly rounded exact sum, so which one decides
+    an element never changes its bits.  Non-finite inputs follow
     IEEE: any nan, or both +inf and -inf, gives nan; else the infinity.  An
     exact zero sum is -0.0 only if every input is -0.0 (as in IEEE addition).
     Complex dtypes reduce their real and imaginary parts separately.
     ml_dtypes' floats (bfloat16, float8_e4m3fn, float8_e5m2, ...) widen to
     float64 exactly too, but their casts from float64 round twice (through
     float32: ``np.float64(1 + 2**-8 + 2**-40).astype(bfloat16)`` is 1.0, not
-    1.0078125), so the sim rounds ``s + E`` to the target's significand
-    itself (ties to even, the residual deciding at a midpoint) and casts
+    1.0078125), so the sim rounds ``s + E`` (on path 1, the exact float64
+    sum) to the target's significand itself (ties to even, the residual
+    deciding at a midpoint) and casts
     only the exactly representable result.  Past the largest finite value
     that cast applies the format's own overflow rule, as one ``np.add`` in
     the dtype would: inf for bfloat16 and float8_e5m2, NaN for the float8
