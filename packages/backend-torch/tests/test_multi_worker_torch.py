@@ -251,6 +251,25 @@ def test_worker_0_listens_on_its_own_address_or_says_it_cannot() -> None:
     assert _listen_on("192.0.2.1", 0) is None
 
 
+def test_worker_0_names_a_host_it_cannot_resolve() -> None:
+    from polydist_torch._multi_worker import _ProcessGroup
+
+    names = ["/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"]
+    with pytest.raises(pd.errors.UnavailableError) as raised:
+        _ProcessGroup.join(
+            "no-such-host.invalid:2222",
+            rank=0,
+            world_size=2,
+            timeout=2,
+            names=names,
+            addresses=["no-such-host.invalid:2222", "127.0.0.1:2223"],
+            dist_backend="gloo",
+        )
+    message = str(raised.value)
+    assert "cannot host the cluster's rendezvous at no-such-host.invalid:2222" in message
+    assert "Is 'no-such-host.invalid' right? Worker 0 must resolve it" in message
+
+
 def test_launch_prints_no_gloo_connection_lines_unless_asked() -> None:
     """Issue 22 item 15: torch <= 2.9's gloo prints a "[Gloo] Rank i is connected to ..."
     line per worker on standard output (``--old-gloo`` prints it as that gloo does)."""

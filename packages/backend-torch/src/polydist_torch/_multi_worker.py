@@ -319,10 +319,16 @@ class _ProcessGroup(mp.ClusterMembership):
             store = make_store(hosts_store, timeout)
         except (RuntimeError, OSError) as e:
             if hosts_store:
+                advice = (
+                    f"Is {host!r} right? Worker 0 must resolve it to one of its addresses "
+                    "(TF_CONFIG's first worker, or MASTER_ADDR)."
+                    if isinstance(e, socket.gaierror)
+                    else "Is the port in use? Give worker 0 a free port (in TF_CONFIG, or "
+                    "MASTER_PORT), or let `polydist launch` pick free ports."
+                )
                 raise errors.UnavailableError(
                     f"Worker 0 ({names[0]}) cannot host the cluster's rendezvous at {address}: "
-                    f"{_first_line(e)}. Is the port in use? Give worker 0 a free port (in "
-                    "TF_CONFIG, or MASTER_PORT), or let `polydist launch` pick free ports."
+                    f"{_first_line(e)}. {advice}"
                 ) from e
             raise errors.DeadlineExceededError(
                 f"Worker {rank} ({names[rank]}) could not reach the cluster's rendezvous at "
