@@ -1,8 +1,8 @@
 """A torch worker for ``polydist launch`` that reports how worker 0's rendezvous is exposed.
 
-``python mw_probe.py [--old-gloo]``: joins the cluster (TF_CONFIG), sums the worker ids,
-and worker 0 prints whether its rendezvous port takes connections on 127.0.0.2 (every
-interface) and on the cluster's own address. ``--old-gloo`` makes the process group's
+``python mw_probe.py [--old-gloo]``: joins the cluster (TF_CONFIG); worker 0 prints
+whether its rendezvous port takes connections on 127.0.0.2 (every interface) and on the
+cluster's own address; then the workers sum their ids. ``--old-gloo`` makes the process group's
 start print what torch <= 2.9's gloo prints on standard output (C++ ``std::cout``).
 """
 
@@ -53,14 +53,14 @@ def main() -> None:
     strategy = MultiWorkerMirroredStrategy()
     worker = strategy.cluster_resolver.task_id
     print(f"worker {worker}: joined", flush=True)
+    if worker == 0:  # before the last collective, which every worker leaves together
+        host, port = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][0].rsplit(":", 1)
+        print(f"worker 0: from 127.0.0.2 {reachable('127.0.0.2', int(port))}", flush=True)
+        print(f"worker 0: from {host} {reachable(host, int(port))}", flush=True)
     total = strategy.run(
         lambda: pd.get_replica_context().all_reduce("SUM", torch.tensor(float(worker + 1)))
     )
     print(f"worker {worker}: sum {float(total)}", flush=True)
-    if worker == 0:
-        host, port = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][0].rsplit(":", 1)
-        print(f"worker 0: from 127.0.0.2 {reachable('127.0.0.2', int(port))}", flush=True)
-        print(f"worker 0: from {host} {reachable(host, int(port))}", flush=True)
 
 
 if __name__ == "__main__":
