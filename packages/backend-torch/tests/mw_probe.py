@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import polydist as pd
-from polydist_torch import MultiWorkerMirroredStrategy
+from polydist_torch import MultiWorkerMirroredStrategy, shutdown_multi_worker
 
 
 def reachable(host: str, port: int) -> bool:
@@ -61,6 +61,9 @@ def main() -> None:
         lambda: pd.get_replica_context().all_reduce("SUM", torch.tensor(float(worker + 1)))
     )
     print(f"worker {worker}: sum {float(total)}", flush=True)
+    # Leave the cluster before exiting: a process that exits with its process group alive
+    # is sometimes aborted by torch ("terminate called without an active exception").
+    shutdown_multi_worker()
 
 
 if __name__ == "__main__":
