@@ -306,12 +306,13 @@ def test_reduce_with_axis_of_numpy_values(op: str) -> None:
     Issue 22 item 5: torch's xp.sum got the NumPy arrays and raised TypeError.
     """
     ones = np.ones((2, 3), np.float32)
-    ints = [np.arange(6, dtype=np.int32).reshape(2, 3) * (r + 1) for r in range(N)]
 
     def program(s: pd.Strategy) -> Any:
+        n = s.num_replicas_in_sync  # one component per replica (a wrong count is refused)
+        ints = [np.arange(6, dtype=np.int32).reshape(2, 3) * (r + 1) for r in range(n)]
         from_run = s.run(lambda: np.full((3, 2), 1.5, np.float32) * (1 + int(rid())))
         return (
-            s.reduce(op, pd.PerReplica([ones] * N), axis=0),
+            s.reduce(op, pd.PerReplica([ones] * n), axis=0),
             s.reduce(op, pd.PerReplica(ints), axis=[0, 1]),
             s.reduce(op, ones, axis=1),  # a plain value counts once per replica
             s.reduce(op, from_run, axis=0),

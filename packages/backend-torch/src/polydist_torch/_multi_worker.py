@@ -858,10 +858,16 @@ def shutdown() -> None:
 
 
 @atexit.register
-def _stop_heartbeats() -> None:
+def _leave_at_exit() -> None:
+    # The process group goes too: a gloo group still alive while the interpreter tears
+    # down can abort the process ("terminate called without an active exception").
     for backend in list(_LIVE):
-        if backend._group is not None:
-            backend._group.close(wait=5.0)
+        group, backend._group = backend._group, None
+        if group is None:
+            continue
+        group.close(wait=5.0)
+        if group.make_store is not None and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
