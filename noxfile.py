@@ -117,7 +117,7 @@ def bench(session: nox.Session, backend: str) -> None:
 @nox.session(python=PY)
 def jax(session: nox.Session) -> None:
     """The JAX backend on 8 fake CPU devices: mypy, its tests, the conformance suite."""
-    session.install("mypy>=1.11", *TEST_DEPS, "jax>=0.10", CORE, SIM, CONFORMANCE, JAX)
+    session.install("mypy>=1.11", *TEST_DEPS, "jax>=0.10", CORE, SIM, CONFORMANCE, f"{JAX}[flax]")
     session.run("mypy", "packages/backend-jax/src/polydist_jax")
     session.run("pytest", "packages/backend-jax/tests", "-q", *session.posargs, env=XLA_8)
     session.run(
