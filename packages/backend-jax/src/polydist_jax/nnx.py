@@ -216,7 +216,12 @@ _BOUND_CLASSES: dict[type, type] = {}
 
 
 def _bound_class(base: type) -> type:
-    """``base`` with its value read and written through the binding (when it has one)."""
+    """``base`` with its value read and written through the binding (when it has one).
+
+    Copies of a bound variable (``jax.tree.map``, ``jax.grad``, ``nnx.clone``) are of
+    this class too, so that trees made from the model keep one structure (optax maps
+    gradients and parameters together), but hold their own value like ``base``.
+    """
     cls = _BOUND_CLASSES.get(base)
     if cls is not None:
         return cls
@@ -246,9 +251,9 @@ def _bound_class(base: type) -> type:
             return
         base_any._check_can_update(self)
 
-    def new(_cls: type, value: Any, metadata: dict[str, Any]) -> Any:
-        # Copies (nnx.split, nnx.state, jax.tree.map) are plain variables of the base type.
-        return base_any._new(value, metadata)
+    def reduce(self: Any) -> tuple[Any, ...]:
+        # Pickled as the base type holding the value (the class itself is not importable).
+        return (_unpickle, (base, self.get_raw_value(), dict(self._var_metadata)))
 
     namespace: dict[str, Any] = {
         "__slots__": (),
@@ -258,11 +263,15 @@ def _bound_class(base: type) -> type:
         "_raw_value": property(get_raw, set_raw),
         "_can_update": property(can_update),
         "_check_can_update": check_can_update,
-        "_new": classmethod(new),
+        "__reduce__": reduce,
     }
     cls = type(base)(base.__name__, (base,), namespace)
     _BOUND_CLASSES[base] = cls
     return cls
+
+
+def _unpickle(base: Any, value: Any, metadata: dict[str, Any]) -> Any:
+    return base._new(value, metadata)
 
 
 # -- distribute ------------------------------------------------------------------------------
@@ -349,7 +358,7 @@ def _strategy_scope(strategy: pd.Strategy | None) -> Any:
             f"polydist_jax.nnx.distribute needs a strategy on the jax backend, got {strategy!r} "
             f"on {getattr(backend, 'name', backend)!r}. Create it with backend='jax'."
         )
-    if _context.get_replica_context() is not None:
+    if _context.has_strategy() and _context.get_replica_context() is not None:
         raise RuntimeError(
             "polydist_jax.nnx.distribute was called inside strategy.run; call it once, before "
             "the training loop, under strategy.scope()."
@@ -395,9 +404,10 @@ def distribute(obj: Any, *, strategy: pd.Strategy | None = None, name: str = "")
         else:
             root = nnx.Variable(obj)
             _bind(root, name)
-    with _roots_lock:
-        if not any(r() is root for r in _roots):
-            _roots.append(weakref.ref(root))
+    if isinstance(root, nnx.Pytree):  # (a Variable needs no trace state: its class allows it)
+        with _roots_lock:
+            if not any(r() is root for r in _roots):
+                _roots.append(weakref.ref(root))
     return root
 
 
