@@ -284,6 +284,10 @@ def _key_part(key: Any) -> str:
     return str(key)
 
 
+def _is_value_attr(key: Any) -> bool:
+    return isinstance(key, jax.tree_util.GetAttrKey) and key.name == "value"
+
+
 def _join(*parts: Any) -> str:
     return "/".join(str(p) for p in parts if p != "")
 
@@ -311,7 +315,9 @@ def _bind(var: Any, name: str) -> None:
     flat, treedef = jax.tree_util.tree_flatten_with_path(_SLOT.__get__(var))
     leaves: list[_Leaf] = []
     for path, x in flat:
-        leaf_name = _join(name, *(_key_part(k) for k in path)) or "Variable"
+        # An nnx.Variable inside the value (an optax state of nnx.State) adds `.value`.
+        parts = [_key_part(k) for k in path if not _is_value_attr(k)]
+        leaf_name = _join(name, *parts) or "Variable"
         value, impl = x, None
         if _is_key(x):
             value, impl = jax.random.key_data(x), jax.random.key_impl(x)
