@@ -326,3 +326,60 @@ def test_bad_uses_say_what_to_do() -> None:
     with pytest.raises(Exception, match="different trace level"):
         outside_run(jnp.ones(16))
     np.testing.assert_array_equal(pdnnx.variables(model)["l1/bias"].numpy(), np.zeros(16))
+
+
+class NormNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.dense = nnx.Linear(4, 2, rngs=rngs)
+        self.norm = nnx.BatchNorm(2, momentum=0.5, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.norm(self.dense(x))  # type: ignore[no-any-return]
+
+
+def norm_net_step(model: NormNet, optimizer: Any) -> Any:
+    def step(x: jax.Array) -> jax.Array:
+        def loss_fn(model: NormNet) -> jax.Array:
+            return pd.nn.compute_average_loss(jnp.sum(model(x) ** 2, axis=1))  # type: ignore[no-any-return]
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, all_reduce_sum(replica_context(), grads))
+        return loss  # type: ignore[no-any-return]
+
+    return step
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_batch_statistics_are_each_replicas_own(jit: bool) -> None:
+    strategy = pd.MirroredStrategy(4, backend=JaxBackend(jit=jit))
+    with strategy.scope():
+        model = pdnnx.distribute(NormNet(nnx.Rngs(0)))
+        optimizer = pdnnx.distribute(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    kernel = np.asarray(model.dense.kernel[...])
+    strategy.run(norm_net_step(model, optimizer), args=(split(strategy, x),))
+    # Each replica's running mean moved halfway to its own batch's mean (momentum 0.5),
+    # as a Keras BatchNormalization under a TF strategy; the weights stayed mirrored.
+    mean = pdnnx.variables(model)["norm/mean"]
+    for r, part in enumerate(np.split(x, 4)):
+        own = (part @ kernel).mean(axis=0) * 0.5
+        np.testing.assert_allclose(mean.values[r].numpy(), own, rtol=1e-5, atol=1e-6)
+    # Read outside run: their mean.
+    np.testing.assert_allclose(
+        np.asarray(model.norm.mean[...]), (x @ kernel).mean(axis=0) * 0.5, rtol=1e-5, atol=1e-6
+    )
+    assert check_replicas_identical(strategy) == 5  # 4 nnx.Params and the step count
+
+
+def test_one_device_strategy() -> None:
+    strategy = pd.OneDeviceStrategy("/cpu:1", backend="jax")
+    with strategy.scope():
+        model = pdnnx.distribute(NormNet(nnx.Rngs(0)))
+        optimizer = pdnnx.distribute(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    kernel = pdnnx.variables(model)["dense/kernel"]
+    assert type(kernel) is pd.Variable and kernel.device.endswith("CPU:1")
+    before = kernel.numpy()
+    x = np.arange(16, dtype=np.float32).reshape(4, 4) % 5
+    strategy.run(norm_net_step(model, optimizer), args=(x,))
+    assert not np.array_equal(kernel.numpy(), before)
+    assert int(optimizer.step[...]) == 1
