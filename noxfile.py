@@ -44,6 +44,19 @@ TORCH_PIN = "torch==2.13.0"
 # JAX sees 8 CPU devices only if this is set before it initialises.
 XLA_8 = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
+# Every Python block of docs/ and README.md runs as a test (docs/conftest.py says how);
+# each block runs in the session of the backend it names (POLYDIST_DOCS_BACKEND).
+DOCS_TEST_DEPS = ["pytest-markdown-docs>=0.9"]
+DOCS_TEST = [
+    "pytest",
+    "--markdown-docs",
+    "--markdown-docs-syntax=superfences",
+    "-m",
+    "markdown-docs",
+    "docs",
+    "README.md",
+    "-q",
+]
 PY = "3.11"
 
 
@@ -89,8 +102,10 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session(python=PY)
 def demo(session: nox.Session) -> None:
-    """The README's first command: install core + sim and run the demo."""
-    session.install(CORE, SIM)
+    """The README's first command: install core alone (the sim ships with it) and run the demo."""
+    # A reused virtualenv may hold packages of an older recipe: core alone is the point.
+    session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", "polydist-sim")
+    session.install(CORE)
     session.run("polydist", "demo", "--replicas", "8")
 
 
@@ -114,15 +129,40 @@ def bench(session: nox.Session, backend: str) -> None:
         session.run("python", "benchmarks/bench_multiworker.py", "--engine", "torch")
 
 
+# The replica counts the JAX conformance suite runs at (on 8 fake CPU devices; TPUStrategy
+# cases use all 8): 1 (no collectives), 3 (a MEAN whose 1/n is inexact, as at 5 and 7),
+# 8. About a minute each on a 2-core machine.
+JAX_CONFORMANCE_REPLICAS = (1, 3, 8)
+
+
 @nox.session(python=PY)
 def jax(session: nox.Session) -> None:
-    """The JAX backend on 8 fake CPU devices: mypy, its tests, the conformance suite."""
-    session.install("mypy>=1.11", *TEST_DEPS, "jax>=0.10", CORE, SIM, CONFORMANCE, f"{JAX}[flax]")
+    """The JAX backend on 8 fake CPU devices: mypy, its tests, the docs' JAX code blocks,
+    the conformance suite at 1, 3 and 8 replicas."""
+    # The flax extra (flax, optax): polydist_jax.nnx, its tests, examples/tutorial_flax.py.
+    session.install(
+        "mypy>=1.11",
+        *TEST_DEPS,
+        *DOCS_TEST_DEPS,
+        "jax>=0.10",
+        CORE,
+        SIM,
+        CONFORMANCE,
+        f"{JAX}[flax]",
+    )
     session.run("mypy", "packages/backend-jax/src/polydist_jax")
     session.run("pytest", "packages/backend-jax/tests", "-q", *session.posargs, env=XLA_8)
-    session.run(
-        "pytest", "--pyargs", "polydist_conformance", "--polydist-backend=jax", "-q", env=XLA_8
-    )
+    session.run(*DOCS_TEST, env={**XLA_8, "POLYDIST_DOCS_BACKEND": "jax"})
+    for replicas in JAX_CONFORMANCE_REPLICAS:
+        session.run(
+            "pytest",
+            "--pyargs",
+            "polydist_conformance",
+            "--polydist-backend=jax",
+            f"--polydist-replicas={replicas}",
+            "-q",
+            env=XLA_8,
+        )
 
 
 @nox.session(python=PY)
@@ -132,6 +172,7 @@ def torch(session: nox.Session) -> None:
     session.install(
         "mypy>=1.11",
         *TEST_DEPS,
+        *DOCS_TEST_DEPS,
         TORCH_PIN,
         "numpy",
         "ml_dtypes>=0.5",
@@ -142,6 +183,7 @@ def torch(session: nox.Session) -> None:
     )
     session.run("mypy", "packages/backend-torch/src/polydist_torch")
     session.run("pytest", "packages/backend-torch/tests", "-q", *session.posargs)
+    session.run(*DOCS_TEST, env={"POLYDIST_DOCS_BACKEND": "torch"})
     session.run(
         "pytest",
         "--pyargs",
@@ -184,7 +226,7 @@ TORCH_XLA_PURE = [
     "numpy",
     "pyyaml",
     "requests",
-    "hatchling>=1.24",  # builds the local packages without build isolation
+    "hatchling>=1.27",  # builds the local packages without build isolation (PEP 639 license-files)
 ]
 # polydist's own dependencies (core, sim, conformance, backend-torch) and the test tools.
 POLYDIST_PURE = [
@@ -192,9 +234,11 @@ POLYDIST_PURE = [
     "optree>=0.13",
     "greenlet>=3.0",
     "tqdm>=4.66",
+    "safetensors>=0.4",  # checkpoints' tensors file
     "array-api-compat>=1.9",
     "ml_dtypes>=0.5",  # optional; a small wheel: the bfloat16 tests and conformance cases
     *TEST_DEPS,
+    *DOCS_TEST_DEPS,
 ]
 # The 4 XLA devices stand in for TPU cores in TPUStrategy: the conformance oracle's local
 # TPU must have 4 cores too (v4-8: 4 single-device chips).
@@ -260,6 +304,13 @@ def torch_xla(session: nox.Session) -> None:
         external=True,
     )
     session.run(
+        python,
+        "-m",
+        *DOCS_TEST,
+        env={**XLA_CPU_4, "POLYDIST_DOCS_BACKEND": "torch_xla"},
+        external=True,
+    )
+    session.run(
         *pytest,
         "--pyargs",
         "polydist_conformance",
@@ -277,7 +328,9 @@ DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"
 
 @nox.session(python=PY)
 def docs(session: nox.Session) -> None:
-    """The docs site, built strictly (broken links and docstring warnings fail).
+    """Every Python block of docs/ and README.md that needs no real backend runs first
+    (docs/conftest.py); then the docs site is built strictly (broken links and
+    docstring warnings fail).
 
     ``docs/gen_benchmarks.py`` runs as a mkdocs hook and renders the benchmark
     page from ``benchmarks/results/*.json``; it also runs here first so that a
@@ -287,6 +340,7 @@ def docs(session: nox.Session) -> None:
     # Installed where the checkout has it; the API reference reads its source from conformance/.
     if Path("conformance/pyproject.toml").exists():
         packages.append("./conformance")
-    session.install(*DOCS_DEPS, *packages)
+    session.install(*DOCS_DEPS, *TEST_DEPS, *DOCS_TEST_DEPS, *packages)
+    session.run(*DOCS_TEST, env={"POLYDIST_DOCS_BACKEND": "sim"})
     session.run("python", "docs/gen_benchmarks.py", "--check")
     session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})

@@ -19,7 +19,9 @@ from polydist import contrib as contrib
 from polydist import debugging as debugging
 from polydist import errors as errors
 from polydist import experimental as experimental
+from polydist import metrics as metrics
 from polydist import nn as nn
+from polydist import train as train
 from polydist._backend import available_backends as available_backends
 from polydist._backend import get_backend as get_backend
 from polydist._context import experimental_set_strategy as experimental_set_strategy
@@ -106,6 +108,8 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "metrics",
     "nn",
     "trace",
+    "train",
 ]
