@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 
 flax = pytest.importorskip("flax")
 optax = pytest.importorskip("optax")
@@ -80,12 +81,6 @@ def params_of(model: MLP) -> list[np.ndarray]:
     return [np.asarray(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def all_reduce_sum(ctx: pd.ReplicaContext, tree: Any) -> Any:
-    """``ctx.all_reduce("SUM", tree)`` for a JAX pytree: one all-reduce of its leaves."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, ctx.all_reduce(pd.ReduceOp.SUM, leaves))
-
-
 def split(strategy: pd.Strategy, batch: np.ndarray) -> Any:
     parts = np.split(batch, strategy.num_replicas_in_sync)
     return strategy.experimental_distribute_values_from_function(
@@ -110,7 +105,7 @@ def nnx_optimizer_step(strategy: pd.Strategy) -> tuple[MLP, Any]:
             return pd.nn.compute_average_loss(per_example_loss(model(x), y))  # type: ignore[no-any-return]
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
-        grads = all_reduce_sum(replica_context(), grads)
+        grads = replica_context().all_reduce(pd.ReduceOp.SUM, grads)
         optimizer.update(model, grads)
         return loss  # type: ignore[no-any-return]
 
@@ -132,7 +127,7 @@ def functional_optax_step(strategy: pd.Strategy) -> tuple[MLP, Any]:
             return pd.nn.compute_average_loss(per_example_loss(logits, y))  # type: ignore[no-any-return]
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
-        grads = all_reduce_sum(replica_context(), grads)
+        grads = replica_context().all_reduce(pd.ReduceOp.SUM, grads)
         updates, new_state = tx.update(grads, opt_state.get_value(), params)
         nnx.update(model, optax.apply_updates(params, updates))
         opt_state.set_value(new_state)
@@ -144,7 +139,7 @@ def functional_optax_step(strategy: pd.Strategy) -> tuple[MLP, Any]:
 @pytest.mark.parametrize("style", [nnx_optimizer_step, functional_optax_step])
 @pytest.mark.parametrize(
     ("replicas", "jit", "steps"),
-    [(1, True, 4), (3, True, 4), (8, True, 4), (1, False, 2), (3, False, 2), (8, False, 1)],
+    [(1, True, 4), (3, True, 4), (8, True, 4), (1, False, 1), (3, False, 2), (8, False, 1)],
 )
 def test_training_matches_single_device(style: Any, replicas: int, jit: bool, steps: int) -> None:
     backend = JaxBackend(jit=jit)
@@ -313,10 +308,23 @@ def test_bad_uses_say_what_to_do() -> None:
     assert sorted(pdnnx.variables(box)) == ["box/w"]
     with pytest.raises(ValueError, match="keeps its structure"):
         box.set_value({"w": jnp.zeros(3), "extra": jnp.zeros(1)})
+    # An optax state made before distribute (of the model's plain nnx.Params) takes the
+    # states made after it (of its bound Params): the same arrays in the same places.
+    plain = MLP(nnx.Rngs(0))
+    tx = optax.adam(0.1)
+    opt_state = pdnnx.distribute(tx.init(nnx.state(plain, nnx.Param)), strategy=strategy)
+    bound = pdnnx.distribute(plain, strategy=strategy)
+    new_state = jax.tree.map(lambda a: a + 1, tx.init(nnx.state(bound, nnx.Param)))
+    opt_state.set_value(new_state)
+    assert pdnnx.variables(opt_state)["0/mu/l1/bias"].numpy().tolist() == [1.0] * 16
     with pytest.raises(ValueError, match="no distributed variables"):
         pdnnx.variables(MLP(nnx.Rngs(0)))
 
     model = pdnnx.distribute(MLP(nnx.Rngs(0)), strategy=strategy)
+    with pytest.raises(ValueError, match="already distributed by another strategy"):
+        pdnnx.distribute(model, strategy=pd.MirroredStrategy(3, backend="jax"))
+    clone = pdnnx.distribute(nnx.clone(model), strategy=pd.MirroredStrategy(3, backend="jax"))
+    assert len(pdnnx.variables(clone)["l1/bias"].values) == 3
 
     @jax.jit
     def outside_run(x: jax.Array) -> jax.Array:
@@ -343,7 +351,7 @@ def norm_net_step(model: NormNet, optimizer: Any) -> Any:
             return pd.nn.compute_average_loss(jnp.sum(model(x) ** 2, axis=1))  # type: ignore[no-any-return]
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, all_reduce_sum(replica_context(), grads))
+        optimizer.update(model, replica_context().all_reduce(pd.ReduceOp.SUM, grads))
         return loss  # type: ignore[no-any-return]
 
     return step
@@ -383,3 +391,63 @@ def test_one_device_strategy() -> None:
     strategy.run(norm_net_step(model, optimizer), args=(x,))
     assert not np.array_equal(kernel.numpy(), before)
     assert int(optimizer.step[...]) == 1
+
+
+def test_train_checkpoint_saves_and_restores_nnx_objects(tmp_path: Path) -> None:
+    eight = pd.MirroredStrategy(8, backend="jax")
+    with eight.scope():
+        model = pdnnx.distribute(MLP(nnx.Rngs(0)))
+        optimizer = pdnnx.distribute(nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param))
+
+    def step(x: jax.Array, y: jax.Array) -> None:
+        def loss_fn(model: MLP) -> jax.Array:
+            return pd.nn.compute_average_loss(per_example_loss(model(x), y))  # type: ignore[no-any-return]
+
+        grads = nnx.grad(loss_fn)(model)
+        optimizer.update(model, replica_context().all_reduce(pd.ReduceOp.SUM, grads))
+
+    x, y = batches(1)[0]
+    eight.run(step, args=(split(eight, x), split(eight, y)))
+    checkpoint = pd.train.Checkpoint(model=model, optimizer=optimizer)
+    manager = pd.train.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=2)
+    path = manager.save()
+    trained = [np.asarray(a) for a in jax.tree.leaves(nnx.state(optimizer))]
+    # Saved under their paths, readable without polydist.
+    (tensors,) = Path(path).glob("*.safetensors")
+    names = set(safetensors.numpy.load_file(str(tensors)))
+    assert {"model/l1/kernel", "optimizer/opt_state/0/mu/l1/kernel", "optimizer/step"} <= names
+    assert int(optimizer.step[...]) == 1
+
+    # Into fresh distributed objects on another replica count ...
+    three = pd.MirroredStrategy(3, backend="jax")
+    with three.scope():
+        fresh = pdnnx.distribute(MLP(nnx.Rngs(1)))
+        fresh_optimizer = pdnnx.distribute(
+            nnx.Optimizer(fresh, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+        )
+    assert not np.array_equal(params_of(fresh)[0], params_of(model)[0])
+    status = pd.train.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore(
+        manager.latest_checkpoint
+    )
+    status.assert_consumed()
+    for got, want in zip(params_of(fresh), params_of(model), strict=True):
+        np.testing.assert_array_equal(got, want)
+    restored = [np.asarray(a) for a in jax.tree.leaves(nnx.state(fresh_optimizer))]
+    for got, want in zip(restored, trained, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert check_replicas_identical(three) == 14  # 4 params, 2 x 4 Adam moments, count, step
+
+    # ... and into a plain nnx model and optimizer, without a strategy.
+    plain = MLP(nnx.Rngs(2))
+    plain_optimizer = nnx.Optimizer(plain, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+    pd.train.Checkpoint(model=plain, optimizer=plain_optimizer).restore(path).assert_consumed()
+    for got, want in zip(params_of(plain), params_of(model), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert int(plain_optimizer.step[...]) == 1
+
+    # A plain model's checkpoint restores into a distributed one.
+    plain.l1.bias[...] = jnp.full(16, 3.0)
+    plain_path = pd.train.Checkpoint(model=plain).write(str(tmp_path / "plain"))
+    pd.train.Checkpoint(model=fresh).read(plain_path).assert_consumed()
+    for copy in pdnnx.variables(fresh)["l1/bias"].values:
+        np.testing.assert_array_equal(copy.numpy(), np.full(16, 3.0))

@@ -133,7 +133,9 @@ class _Binding:
 
     def write(self, value: Any) -> None:
         new, treedef = jax.tree.flatten(value)
-        if treedef != self.treedef:
+        # Trees made before and after distribute hold nnx Variables of the base and of the
+        # bound class: the same structure once the Variables are taken out (nnx.as_pure).
+        if treedef != self.treedef and _pure_structure(value) != _pure_structure(self.read()):
             raise ValueError(
                 f"polydist_jax.nnx: {self.name!r} is distributed with the structure "
                 f"{self.treedef}; it cannot be set to a value of structure {treedef}. A "
@@ -144,6 +146,10 @@ class _Binding:
 
     def variables(self) -> list[_PdVariable]:
         return [leaf.var for leaf in self.leaves if leaf.var is not None]
+
+
+def _pure_structure(tree: Any) -> Any:
+    return jax.tree.structure(nnx.as_pure(tree))
 
 
 def _binding(var: Any) -> _Binding | None:
@@ -304,7 +310,16 @@ def _synchronization(var: Any) -> tuple[pd.VariableSynchronization, pd.VariableA
 
 def _bind(var: Any, name: str) -> None:
     """Replaces ``var``'s value by polydist variables (in the current strategy scope)."""
-    if _binding(var) is not None:
+    binding = _binding(var)
+    if binding is not None:
+        strategy = _context.get_strategy()
+        other = [v for v in binding.variables() if v.distribute_strategy is not strategy]
+        if other:
+            raise ValueError(
+                f"polydist_jax.nnx.distribute: {name or binding.name!r} is already distributed "
+                f"by another strategy ({other[0].distribute_strategy!r}). An nnx object belongs "
+                "to one strategy: build a new one (or nnx.clone it) for this strategy."
+            )
         return
     if var.hijax or var.ref:
         raise NotImplementedError(
@@ -442,3 +457,103 @@ def variables(obj: Any) -> dict[str, _PdVariable]:
             "variables; call polydist_jax.nnx.distribute on it first."
         )
     return found
+
+
+# -- polydist.train.Checkpoint ----------------------------------------------------------------
+
+
+def _leaf_slots(obj: Any) -> list[tuple[tuple[str, ...], Any, int]]:
+    """(key path, nnx.Variable, leaf index) of every array leaf in ``obj``, in graph order.
+
+    The key path is the variable's path in ``obj`` and the leaf's path in its value
+    (relative to ``obj``, without ``distribute``'s name prefix)."""
+    nodes = [((), obj)] if isinstance(obj, nnx.Variable) else list(nnx.iter_graph(obj))
+    slots: list[tuple[tuple[str, ...], Any, int]] = []
+    for path, var in nodes:
+        if not isinstance(var, nnx.Variable):
+            continue
+        binding = _binding(var)
+        flat = jax.tree_util.tree_flatten_with_path(
+            binding.read() if binding is not None else _SLOT.__get__(var)
+        )[0]
+        for index, (leaf_path, x) in enumerate(flat):
+            if binding is not None and binding.leaves[index].var is None:
+                continue  # a static leaf: not state
+            if binding is None and not _is_array_leaf(x):
+                continue
+            parts = (*map(str, path), *(_key_part(k) for k in leaf_path if not _is_value_attr(k)))
+            slots.append((parts or ("value",), var, index))
+    return slots
+
+
+def _is_array_leaf(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex)
+
+
+def _nested(items: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for parts, value in items:
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _lookup(nest: dict[str, Any], parts: tuple[str, ...]) -> Any:
+    node: Any = nest
+    for part in parts:
+        node = node[part]
+    return node
+
+
+def _to_nest(obj: Any) -> dict[str, Any]:
+    """What ``Checkpoint`` saves of an nnx object: its polydist variables where it is
+    distributed, else its arrays (PRNG keys as their key data), by path."""
+    items: list[tuple[tuple[str, ...], Any]] = []
+    for parts, var, index in _leaf_slots(obj):
+        binding = _binding(var)
+        if binding is not None:
+            pd_var = binding.leaves[index].var
+            assert pd_var is not None
+            items.append((parts, pd_var))
+        else:
+            x = jax.tree.leaves(_SLOT.__get__(var))[index]
+            items.append((parts, jax.random.key_data(x) if _is_key(x) else np.asarray(x)))
+    return _nested(items)
+
+
+def _from_nest(obj: Any, nest: dict[str, Any]) -> None:
+    """Writes restored arrays back: into the polydist variables of a distributed
+    object (every copy), or into the nnx variables of a plain one."""
+    by_var: dict[int, tuple[Any, dict[int, Any]]] = {}
+    for parts, var, index in _leaf_slots(obj):
+        by_var.setdefault(id(var), (var, {}))[1][index] = _lookup(nest, parts)
+    for var, values in by_var.values():
+        binding = _binding(var)
+        if binding is not None:
+            for index, value in values.items():
+                pd_var = binding.leaves[index].var
+                assert pd_var is not None
+                pd_var.assign(value, read_value=False)
+            continue
+        leaves, treedef = jax.tree.flatten(_SLOT.__get__(var))
+        for index, value in values.items():
+            old = leaves[index]
+            if _is_key(old):
+                leaves[index] = jax.random.wrap_key_data(value, impl=jax.random.key_impl(old))
+            else:
+                leaves[index] = jnp.asarray(value, dtype=jnp.result_type(old))
+        var.set_value(jax.tree.unflatten(treedef, leaves))
+
+
+def _register_checkpointable() -> None:
+    try:
+        from polydist.train import register_checkpointable
+    except ImportError:  # a polydist without polydist.train
+        return
+    for cls in (nnx.Pytree, nnx.Variable):
+        register_checkpointable(cls, to_nest=_to_nest, from_nest=_from_nest)
+
+
+_register_checkpointable()
