@@ -11,6 +11,7 @@ single-device training on the whole batch within the tolerance the docs state
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -451,3 +452,16 @@ def test_train_checkpoint_saves_and_restores_nnx_objects(tmp_path: Path) -> None
     pd.train.Checkpoint(model=fresh).read(plain_path).assert_consumed()
     for copy in pdnnx.variables(fresh)["l1/bias"].values:
         np.testing.assert_array_equal(copy.numpy(), np.full(16, 3.0))
+
+
+def test_nnx_step_compiles_to_one_all_reduce() -> None:
+    """The bound model adds no collective: the step's only one is the gradients' all-reduce."""
+    strategy = pd.MirroredStrategy(4, backend="jax")
+    _, step = nnx_optimizer_step(strategy)
+    x, y = batches(1)[0]
+    lowered = strategy.extended.backend.lower(
+        strategy, step, args=(split(strategy, x), split(strategy, y))
+    )
+    text = lowered.compile().as_text()
+    assert len(re.findall(r"\ball-reduce(-start)?\(", text)) == 1, text
+    assert "all-gather" not in text
