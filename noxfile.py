@@ -139,8 +139,16 @@ JAX_CONFORMANCE_REPLICAS = (1, 3, 8)
 def jax(session: nox.Session) -> None:
     """The JAX backend on 8 fake CPU devices: mypy, its tests, the docs' JAX code blocks,
     the conformance suite at 1, 3 and 8 replicas."""
+    # The flax extra (flax, optax): polydist_jax.nnx, its tests, examples/tutorial_flax.py.
     session.install(
-        "mypy>=1.11", *TEST_DEPS, *DOCS_TEST_DEPS, "jax>=0.10", CORE, SIM, CONFORMANCE, JAX
+        "mypy>=1.11",
+        *TEST_DEPS,
+        *DOCS_TEST_DEPS,
+        "jax>=0.10",
+        CORE,
+        SIM,
+        CONFORMANCE,
+        f"{JAX}[flax]",
     )
     session.run("mypy", "packages/backend-jax/src/polydist_jax")
     session.run("pytest", "packages/backend-jax/tests", "-q", *session.posargs, env=XLA_8)

@@ -41,7 +41,7 @@ import inspect
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -288,6 +288,11 @@ class _Active(threading.local):
 
 _active = _Active()
 
+#: Context managers entered around each trace of ``fn`` (inside the compiled program's
+#: trace, after the variables show their traced copies). ``polydist_jax.nnx`` adds one that
+#: lets ``fn`` update the Flax objects it bound to variables at that trace level.
+trace_hooks: list[Callable[[], AbstractContextManager[object]]] = []
+
 
 def active() -> TracedVariables | None:
     """The variables functionalized by the trace running on this thread, if any."""
@@ -356,7 +361,12 @@ class TracedVariables:
         try:
             for s in self._slots:
                 s.show_own(s.entry)
-            with _variables.traced_replica_scope(COMPONENT, self.update_results):
+            with (
+                _variables.traced_replica_scope(COMPONENT, self.update_results),
+                ExitStack() as hooks,
+            ):
+                for hook in trace_hooks:
+                    hooks.enter_context(hook())
                 yield self
         finally:
             _active.traced = outer
