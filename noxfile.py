@@ -44,6 +44,19 @@ TORCH_PIN = "torch==2.13.0"
 # JAX sees 8 CPU devices only if this is set before it initialises.
 XLA_8 = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
+# Every Python block of docs/ and README.md runs as a test (docs/conftest.py says how);
+# each block runs in the session of the backend it names (POLYDIST_DOCS_BACKEND).
+DOCS_TEST_DEPS = ["pytest-markdown-docs>=0.9"]
+DOCS_TEST = [
+    "pytest",
+    "--markdown-docs",
+    "--markdown-docs-syntax=superfences",
+    "-m",
+    "markdown-docs",
+    "docs",
+    "README.md",
+    "-q",
+]
 PY = "3.11"
 
 
@@ -117,9 +130,12 @@ def bench(session: nox.Session, backend: str) -> None:
 @nox.session(python=PY)
 def jax(session: nox.Session) -> None:
     """The JAX backend on 8 fake CPU devices: mypy, its tests, the conformance suite."""
-    session.install("mypy>=1.11", *TEST_DEPS, "jax>=0.10", CORE, SIM, CONFORMANCE, JAX)
+    session.install(
+        "mypy>=1.11", *TEST_DEPS, *DOCS_TEST_DEPS, "jax>=0.10", CORE, SIM, CONFORMANCE, JAX
+    )
     session.run("mypy", "packages/backend-jax/src/polydist_jax")
     session.run("pytest", "packages/backend-jax/tests", "-q", *session.posargs, env=XLA_8)
+    session.run(*DOCS_TEST, env={**XLA_8, "POLYDIST_DOCS_BACKEND": "jax"})
     session.run(
         "pytest", "--pyargs", "polydist_conformance", "--polydist-backend=jax", "-q", env=XLA_8
     )
@@ -132,6 +148,7 @@ def torch(session: nox.Session) -> None:
     session.install(
         "mypy>=1.11",
         *TEST_DEPS,
+        *DOCS_TEST_DEPS,
         TORCH_PIN,
         "numpy",
         "ml_dtypes>=0.5",
@@ -142,6 +159,7 @@ def torch(session: nox.Session) -> None:
     )
     session.run("mypy", "packages/backend-torch/src/polydist_torch")
     session.run("pytest", "packages/backend-torch/tests", "-q", *session.posargs)
+    session.run(*DOCS_TEST, env={"POLYDIST_DOCS_BACKEND": "torch"})
     session.run(
         "pytest",
         "--pyargs",
@@ -195,6 +213,7 @@ POLYDIST_PURE = [
     "array-api-compat>=1.9",
     "ml_dtypes>=0.5",  # optional; a small wheel: the bfloat16 tests and conformance cases
     *TEST_DEPS,
+    *DOCS_TEST_DEPS,
 ]
 # The 4 XLA devices stand in for TPU cores in TPUStrategy: the conformance oracle's local
 # TPU must have 4 cores too (v4-8: 4 single-device chips).
@@ -260,6 +279,13 @@ def torch_xla(session: nox.Session) -> None:
         external=True,
     )
     session.run(
+        python,
+        "-m",
+        *DOCS_TEST,
+        env={**XLA_CPU_4, "POLYDIST_DOCS_BACKEND": "torch_xla"},
+        external=True,
+    )
+    session.run(
         *pytest,
         "--pyargs",
         "polydist_conformance",
@@ -277,7 +303,9 @@ DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"
 
 @nox.session(python=PY)
 def docs(session: nox.Session) -> None:
-    """The docs site, built strictly (broken links and docstring warnings fail).
+    """Every Python block of docs/ and README.md that needs no real backend runs first
+    (docs/conftest.py); then the docs site is built strictly (broken links and
+    docstring warnings fail).
 
     ``docs/gen_benchmarks.py`` runs as a mkdocs hook and renders the benchmark
     page from ``benchmarks/results/*.json``; it also runs here first so that a
@@ -287,6 +315,7 @@ def docs(session: nox.Session) -> None:
     # Installed where the checkout has it; the API reference reads its source from conformance/.
     if Path("conformance/pyproject.toml").exists():
         packages.append("./conformance")
-    session.install(*DOCS_DEPS, *packages)
+    session.install(*DOCS_DEPS, *TEST_DEPS, *DOCS_TEST_DEPS, *packages)
+    session.run(*DOCS_TEST, env={"POLYDIST_DOCS_BACKEND": "sim"})
     session.run("python", "docs/gen_benchmarks.py", "--check")
     session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
