@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -352,3 +356,40 @@ def test_numpy_view_of_variables_matches_parameters() -> None:
         model = polydist_torch.distribute_module(nn.Linear(2, 2))
     for v, p in zip(model.variables, model.parameters()):
         np.testing.assert_array_equal(v.numpy(), p.detach().numpy())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="torchrun on POSIX")
+def test_multi_worker_training_matches_single_device(tmp_path: Path) -> None:
+    """2 worker processes x 2 replicas (torchrun, gloo): the workers' weights are
+    bitwise equal, and equal single-device training up to float32 rounding."""
+    program = Path(__file__).resolve().parent / "mw_modules.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "RANK", "WORLD_SIZE")}
+    env.update(CUDA_VISIBLE_DEVICES="", TORCH_CPP_LOG_LEVEL="ERROR")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    done = subprocess.run(
+        [*torchrun, "--nproc-per-node=2", str(program), str(tmp_path)],
+        env=env,
+        timeout=180,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    workers = [torch.load(tmp_path / f"worker{w}.pt") for w in range(2)]
+    assert workers[0].keys() == workers[1].keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for k, v in workers[0].items():
+        assert torch.equal(v, workers[1][k]), k
+
+    sys.path.insert(0, str(program.parent))
+    try:
+        import mw_modules
+    finally:
+        sys.path.remove(str(program.parent))
+    model = mw_modules.make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for x, y in mw_modules.batches():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(workers[0][k], v, rtol=RTOL, atol=ATOL)
