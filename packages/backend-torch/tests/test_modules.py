@@ -393,3 +393,20 @@ def test_multi_worker_training_matches_single_device(tmp_path: Path) -> None:
         opt.zero_grad()
     for k, v in model.state_dict().items():
         torch.testing.assert_close(workers[0][k], v, rtol=RTOL, atol=ATOL)
+
+
+def test_inside_run_param_groups_are_the_replicas_own() -> None:
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.Linear(2, 1))
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+    def fn() -> torch.Tensor:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        mine = opt.param_groups[0]["params"]
+        own = list(model.replicas[ctx._replica_index].parameters())
+        return torch.tensor(all(p is q for p, q in zip(mine, own, strict=True)))
+
+    assert [bool(v) for v in strategy.experimental_local_results(strategy.run(fn))] == [True] * 2
+    assert opt.param_groups is opt.optimizer.param_groups  # outside run: replica 0's

@@ -450,9 +450,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """One logical ``torch.optim`` optimizer over a :class:`DistributedModule`'s replicas.
 
     Made by :func:`distribute_optimizer`. ``param_groups``, ``state`` and
-    ``defaults`` are the wrapped optimizer's (replica 0's), so learning-rate
-    schedulers and ``for g in opt.param_groups: g["lr"] = ...`` work; every
-    replica's copy takes the hyperparameters from them at each ``step``.
+    ``defaults`` are the wrapped optimizer's (replica 0's; inside
+    ``strategy.run``, ``param_groups`` and ``state`` are the replica's own
+    copy's), so learning-rate schedulers and ``for g in opt.param_groups:
+    g["lr"] = ...`` work; every replica's copy takes the hyperparameters from
+    replica 0's at each ``step``.
 
     Inside ``strategy.run``: ``zero_grad()`` clears the replica's gradients;
     ``step()`` all-reduces (SUM) the gradients, unless
@@ -527,7 +529,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # The wrapped optimizer's, so schedulers and hyperparameter edits reach it.
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self._replicas[0].param_groups
+        return self._current().param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
@@ -535,7 +537,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:
-        return self._replicas[0].state
+        return self._current().state
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -555,6 +557,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             f"DistributedOptimizer.{name} is the wrapped optimizer's; change its contents "
             "(opt.param_groups[0]['lr'] = ...) or load a state_dict, not the attribute."
         )
+
+    def _current(self) -> torch.optim.Optimizer:
+        # Inside strategy.run the replica's own copy, so code that walks
+        # opt.param_groups there sees its own parameters and gradients.
+        return self._replicas[self._index() or 0]
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -645,7 +652,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.all_reduce_gradients()
         replica = self._replicas[r]
         if r:
-            # Hyperparameters (lr, ...) come from the wrapped optimizer's groups.
+            # Hyperparameters (lr, ...) come from the wrapped optimizer's groups; a change
+            # made inside run to another replica's copy does not count.
             for mine, main in zip(replica.param_groups, self._replicas[0].param_groups):
                 for k, v in main.items():
                     if k != "params":
