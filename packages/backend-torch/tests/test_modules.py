@@ -311,6 +311,8 @@ def test_bad_uses_raise_clear_errors() -> None:
         polydist_torch.distribute_optimizer(torch.optim.SGD(model.replicas[1].parameters(), lr=1.0))
     with pytest.raises(RuntimeError, match="before\npolydist_torch|before polydist_torch"):
         model.double()
+    with pytest.raises(RuntimeError, match="initialize the module before"):
+        model.apply(lambda m: None)
     opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
     with pytest.raises(RuntimeError, match="inside strategy.run"):
         opt.step()

@@ -331,6 +331,14 @@ class DistributedModule(nn.Module):
             m.train(mode)
         return self
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> DistributedModule:
+        raise RuntimeError(
+            "DistributedModule.apply would run fn on replica 0's copy only (and a random "
+            "initializer would give every replica different weights): initialize the module "
+            "before polydist_torch.distribute_module, or write new values with "
+            "model.load_state_dict(...) or variable.assign(...), which reach every replica."
+        )
+
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> DistributedModule:
         raise RuntimeError(
             "A DistributedModule's copies live on the strategy's devices, one per replica, and "
