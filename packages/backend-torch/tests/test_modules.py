@@ -350,6 +350,8 @@ def test_inside_run_parameters_and_zero_grad_are_the_replicas_own() -> None:
     assert model.replicas[0].weight.grad is not None and model.replicas[1].weight.grad is None
     model.zero_grad()
     assert model.replicas[0].weight.grad is None
+    model.requires_grad_(False)
+    assert not any(p.requires_grad for m in model.replicas for p in m.parameters())
 
 
 def test_numpy_view_of_variables_matches_parameters() -> None:

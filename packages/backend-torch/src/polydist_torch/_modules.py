@@ -331,6 +331,13 @@ class DistributedModule(nn.Module):
             m.train(mode)
         return self
 
+    def requires_grad_(self, requires_grad: bool = True) -> DistributedModule:
+        """Sets ``requires_grad`` on every replica's copy (to freeze layers, call it on
+        ``model.replicas``' submodules alike, or before distributing)."""
+        for m in self._replicas:
+            m.requires_grad_(requires_grad)
+        return self
+
     def apply(self, fn: Callable[[nn.Module], None]) -> DistributedModule:
         raise RuntimeError(
             "DistributedModule.apply would run fn on replica 0's copy only (and a random "
