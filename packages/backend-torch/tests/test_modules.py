@@ -167,6 +167,10 @@ def test_batchnorm_buffers_are_sync_on_read_means() -> None:
     out = model(torch.tensor([[3.0, 4.5]]))
     assert torch.allclose(out, torch.zeros(1, 2), atol=1e-6)
     assert model.replicas[0].running_mean.tolist() == [1.0, 2.0]  # left as it was
+    model.train()
+    model(torch.tensor([[30.0, 40.0], [50.0, 60.0]]))  # outside run: updates nothing
+    assert model.replicas[0].running_mean.tolist() == [1.0, 2.0]
+    assert [int(m.num_batches_tracked) for m in model.replicas] == [1, 1]
     # Loading writes every replica.
     state["running_mean"] = torch.tensor([7.0, 8.0])
     model.load_state_dict(state)

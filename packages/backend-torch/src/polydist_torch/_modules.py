@@ -279,15 +279,13 @@ class DistributedModule(nn.Module):
 
     @contextmanager
     def _cross_replica_buffers(self) -> Iterator[None]:
-        """Replica 0's buffers hold their cross-replica (aggregated) values meanwhile."""
+        """Replica 0's buffers hold copies of their cross-replica values meanwhile."""
+        # Copies (read_value), so a training-mode forward here changes no replica's buffers.
         swapped = []
-        if len(self._replicas) > 1:
-            for key, v in self._buffer_slots:
-                if v.aggregation is not pd.VariableAggregation.MEAN:
-                    continue
-                owner, attr = _owning(self.module, key)
-                swapped.append((owner, attr, owner._buffers[attr]))
-                owner._buffers[attr] = _aggregate(v)
+        for key, v in self._buffer_slots:
+            owner, attr = _owning(self.module, key)
+            swapped.append((owner, attr, owner._buffers[attr]))
+            owner._buffers[attr] = _aggregate(v)
         try:
             yield
         finally:
