@@ -210,6 +210,7 @@ POLYDIST_PURE = [
     "optree>=0.13",
     "greenlet>=3.0",
     "tqdm>=4.66",
+    "safetensors>=0.4",  # checkpoints' tensors file
     "array-api-compat>=1.9",
     "ml_dtypes>=0.5",  # optional; a small wheel: the bfloat16 tests and conformance cases
     *TEST_DEPS,

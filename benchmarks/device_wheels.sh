@@ -14,5 +14,5 @@ $PY -m pip wheel -q --no-deps -w .whl ./packages/core ./packages/sim ./conforman
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version "$TARGET_PY" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-    "optree>=0.13" "greenlet>=3.0" "array-api-compat>=1.9"
+    "optree>=0.13" "greenlet>=3.0" "array-api-compat>=1.9" "safetensors>=0.4"
 ls .whl

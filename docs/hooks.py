@@ -117,7 +117,9 @@ NAME_TABLE: dict[str, list[tuple[str, str, str]]] = {
         ),
         ("StrategyExtended.update", "polydist.StrategyExtended.update", ""),
         ("StrategyExtended.colocate_vars_with", "polydist.StrategyExtended.colocate_vars_with", ""),
-        ("tf.train.Checkpoint", "polydist.checkpoint.Checkpoint", ""),
+        ("tf.train.Checkpoint", "polydist.train.Checkpoint", "torch modules and optimizers too"),
+        ("tf.train.CheckpointManager", "polydist.train.CheckpointManager", ""),
+        ("tf.train.latest_checkpoint", "polydist.train.latest_checkpoint", ""),
     ],
     "cross_device": [
         ("tf.distribute.CrossDeviceOps", "polydist.CrossDeviceOps", ""),

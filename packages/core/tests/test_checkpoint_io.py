@@ -11,11 +11,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -96,11 +98,15 @@ def sample(dtype: Any, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 
 def manifest_doc(ckpt: Path) -> dict[str, Any]:
+    """The manifest without its checksum: edited and written back, it reads as a manifest
+    of a polydist from before checksums, so the reader's other checks are reached."""
     doc: dict[str, Any] = json.loads((ckpt / "manifest.json").read_text("utf-8"))
+    doc.pop("sha256_of_the_rest", None)
     return doc
 
 
 def data_file(ckpt: Path, name: str) -> Path:
+    """The .npy file of ``name`` in a checkpoint of the legacy layout (format 1 or 2)."""
     (entry,) = [a for a in manifest_doc(ckpt)["arrays"] if a["name"] == name]
     return ckpt / str(entry["file"])
 
@@ -144,9 +150,11 @@ def test_names_with_slashes_colons_and_unicode(tmp_path: Path) -> None:
     ]
     arrays = {n: np.full((2,), i, np.int32) for i, n in enumerate(names)}
     ckpt = write_arrays(tmp_path, arrays)
-    assert sorted(p.name for p in ckpt.iterdir()) == sorted(
-        [f"{i:06d}.npy" for i in range(len(names))] + ["manifest.json"]
-    )
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "tensors.safetensors"]
+    # the safetensors file names its tensors as the checkpoint does
+    plain = safetensors.numpy.load_file(ckpt / "tensors.safetensors")
+    assert sorted(plain) == sorted(names)
+    assert all(plain[n].tolist() == arrays[n].tolist() for n in names)
     got = read_arrays(tmp_path)
     assert list(got) == names
     for n in names:
@@ -334,10 +342,75 @@ def test_failed_write_cleans_up_and_keeps_latest(
 
 
 @pytest.fixture
-def two_ckpts(tmp_path: Path) -> Path:
+def two_ckpts(tmp_path: Path, write_legacy: Callable[..., Path]) -> Path:
+    """Two checkpoints of the legacy layout (a .npy file per array): its reader's checks."""
+    write_legacy(tmp_path, {"dense/kernel:0": np.arange(100.0), "b": np.ones(3)}, step=1)
+    write_legacy(tmp_path, {"dense/kernel:0": np.arange(1000.0), "b": np.ones(3)}, step=2)
+    return tmp_path / "ckpt-2"
+
+
+@pytest.fixture
+def two_new(tmp_path: Path) -> Path:
+    """Two checkpoints of format 3 (safetensors)."""
     write_arrays(tmp_path, {"dense/kernel:0": np.arange(100.0), "b": np.ones(3)}, step=1)
     write_arrays(tmp_path, {"dense/kernel:0": np.arange(1000.0), "b": np.ones(3)}, step=2)
     return tmp_path / "ckpt-2"
+
+
+def _tensor_offset(tensors: Path, key: str) -> int:
+    """Where ``key``'s data starts in a safetensors file (its header says)."""
+    raw = tensors.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return 8 + n + int(json.loads(raw[8 : 8 + n])[key]["data_offsets"][0])
+
+
+def test_safetensors_damage(two_new: Path) -> None:
+    tensors = two_new / "tensors.safetensors"
+    pristine = tensors.read_bytes()
+    raw = bytearray(pristine)
+    raw[_tensor_offset(tensors, "dense/kernel:0") + 5] ^= 0x10
+    tensors.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptError) as info:
+        read_arrays(two_new.parent)
+    msg = str(info.value)
+    assert "variable 'dense/kernel:0'" in msg and "checksum mismatch" in msg
+    assert "ckpt-1" in msg  # what to restore from instead
+    assert_identical(read_arrays(two_new, ["b"])["b"], np.ones(3))  # the others still read
+    tensors.write_bytes(pristine[:-8])
+    with pytest.raises(CheckpointCorruptError, match=r"safetensors file is unreadable.*ckpt-1"):
+        read_arrays(two_new)
+    tensors.write_bytes(pristine[:3])
+    with pytest.raises(CheckpointCorruptError, match=r"safetensors file is unreadable"):
+        read_arrays(two_new)
+    tensors.unlink()
+    with pytest.raises(CheckpointCorruptError, match=r"tensors.safetensors is missing.*ckpt-1"):
+        read_arrays(two_new)
+    # another safetensors file in its place: same names, other dtype
+    safetensors.numpy.save_file(
+        {"dense/kernel:0": np.arange(1000, dtype=np.float32), "b": np.ones(3)}, tensors
+    )
+    with pytest.raises(CheckpointCorruptError, match=r"manifest says shape \(1000,\) dtype <f8"):
+        read_arrays(two_new)
+    assert read_arrays(two_new.parent / "ckpt-1")["dense/kernel:0"].shape == (100,)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d.update(tensors_file="x.safetensors"), "tensors_file"),
+        (lambda d: d["arrays"][0].update(key="__metadata__"), "tensor key"),
+        (lambda d: d["arrays"][1].update(key=d["arrays"][0]["key"]), "duplicate tensor key"),
+        (lambda d: d["arrays"][0].update(encoding="zip"), "unknown encoding"),
+        (lambda d: d["arrays"][0].update(dtype="O"), "unsupported dtype"),
+        (lambda d: d["arrays"][0].update(shape=[3]), "nbytes"),
+    ],
+)
+def test_invalid_format_3_manifest(two_new: Path, edit: Any, match: str) -> None:
+    doc = manifest_doc(two_new)
+    edit(doc)
+    (two_new / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointCorruptError, match=match):
+        read_manifest(two_new)
 
 
 def test_corrupt_array_bytes(two_ckpts: Path) -> None:
@@ -407,6 +480,16 @@ def test_invalid_manifest(two_ckpts: Path, edit: Any, match: str) -> None:
     edit(doc)
     (two_ckpts / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(CheckpointCorruptError, match=match):
+        read_manifest(two_ckpts)
+
+
+def test_manifest_checksum(two_new: Path) -> None:
+    two_ckpts = two_new
+    m = two_ckpts / "manifest.json"
+    doc = json.loads(m.read_text("utf-8"))
+    doc["arrays"][0]["name"] = "dense/kernel:1"  # still valid JSON, and plausible
+    m.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointCorruptError, match="sha256_of_the_rest does not match"):
         read_manifest(two_ckpts)
 
 
@@ -550,7 +633,7 @@ def kill_when_signalled(proc: subprocess.Popen[bytes], signal_file: Path) -> Non
 @pytest.mark.parametrize(
     ("stage", "detail", "total_mb", "renamed"),
     [
-        ("array-chunk", "big/w1:0", 200, False),  # in the middle of an array's data
+        ("tensors-started", "*", 8, False),  # test_crash_at_random_moments kills mid-write
         ("array-written", "big/w3:0", 8, False),
         ("manifest-written", "*", 8, False),
         ("before-rename", "*", 8, False),
@@ -690,13 +773,16 @@ def test_ml_dtypes_round_trip_bit_for_bit(tmp_path: Path, name: str) -> None:
     }
     path = write_arrays(tmp_path, arrays)
     doc = manifest_doc(path)
-    assert doc["format_version"] == 2  # older polydist refuses it instead of misreading it
-    bits = f"u{dtype.itemsize}"
-    assert [(a["dtype"], a["storage_dtype"]) for a in doc["arrays"]] == [
-        (name, np.dtype(bits).str)
-    ] * 4
-    # The data file is a plain .npy of the bits: readable without polydist or ml_dtypes.
-    assert np.load(data_file(path, "every")).tolist() == np.arange(every.size).tolist()
+    assert doc["format_version"] == 3
+    # bfloat16 is safetensors' BF16; the float8s safetensors' NumPy loader cannot read
+    # back are stored by their bits (U8), which any safetensors reader reads.
+    encoding = "native" if name == "bfloat16" else "bits"
+    assert [(a["dtype"], a["encoding"]) for a in doc["arrays"]] == [(name, encoding)] * 4
+    plain = safetensors.numpy.load_file(path / "tensors.safetensors")
+    if name == "bfloat16":
+        assert_identical(plain["every"], every)
+    else:
+        assert plain["every"].tolist() == np.arange(every.size).tolist()
     assert read_manifest(tmp_path).arrays["strided"] == ArraySpec((4, 4), dtype)
     got = read_arrays(tmp_path)
     for key, want in arrays.items():
@@ -704,7 +790,9 @@ def test_ml_dtypes_round_trip_bit_for_bit(tmp_path: Path, name: str) -> None:
 
 
 @needs_ml_dtypes
-def test_mixed_checkpoint_keeps_numpy_entries_in_the_old_layout(tmp_path: Path) -> None:
+def test_mixed_legacy_format_2_checkpoint_still_reads(
+    tmp_path: Path, write_legacy: Callable[..., Path]
+) -> None:
     bf16 = ml_dtype("bfloat16")
     special = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0001], np.uint16)
     arrays = {
@@ -712,7 +800,8 @@ def test_mixed_checkpoint_keeps_numpy_entries_in_the_old_layout(tmp_path: Path) 
         "bf16": special.view(bf16),  # NaNs (payload, negative, signalling), +-inf, -0.0
         "count": np.int64(3),
     }
-    path = write_arrays(tmp_path, arrays)
+    path = write_legacy(tmp_path, arrays)
+    assert manifest_doc(path)["format_version"] == 2
     entries = {a["name"]: a for a in manifest_doc(path)["arrays"]}
     assert set(entries["f32"]) == V1_KEYS and entries["f32"]["dtype"] == "<f4"
     assert set(entries["count"]) == V1_KEYS
@@ -723,26 +812,26 @@ def test_mixed_checkpoint_keeps_numpy_entries_in_the_old_layout(tmp_path: Path) 
     assert got["bf16"].view(np.uint16).tolist() == special.tolist()
 
 
-def test_numpy_only_checkpoints_are_still_format_1(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_legacy_format_1_checkpoints_still_read(
+    tmp_path: Path, write_legacy: Callable[..., Path]
 ) -> None:
-    path = write_arrays(tmp_path, {"w": np.arange(3.0), "b": np.zeros(2, np.float32)})
+    path = write_legacy(tmp_path, {"w": np.arange(3.0), "b": np.zeros(2, np.float32)})
     doc = manifest_doc(path)
     assert doc["format_version"] == 1
     assert all(set(a) == V1_KEYS for a in doc["arrays"])
-    assert json.loads((tmp_path / "checkpoint").read_text())["format_version"] == 1
-    # A reader of format 1 only (polydist before ml_dtypes support) still reads it.
-    monkeypatch.setattr(_io, "FORMAT_VERSION", 1)
     assert read_arrays(tmp_path)["w"].tolist() == [0.0, 1.0, 2.0]
+    assert read_manifest(tmp_path).format_version == 1
+    # a new write beside it is format 3, and the pointer's layout stays that of format 1
+    write_arrays(tmp_path, {"w": np.arange(4.0)})
+    assert read_manifest(tmp_path).format_version == 3
+    assert json.loads((tmp_path / "checkpoint").read_text())["format_version"] == 1
+    assert read_arrays(path)["w"].tolist() == [0.0, 1.0, 2.0]
 
 
-@needs_ml_dtypes
-def test_format_1_reader_refuses_ml_dtypes_checkpoints(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    write_arrays(tmp_path, {"w": np.ones(2, ml_dtype("bfloat16"))})
-    monkeypatch.setattr(_io, "FORMAT_VERSION", 1)
-    with pytest.raises(CheckpointError, match=r"version 2 was written by a newer polydist"):
+def test_older_readers_refuse_format_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_arrays(tmp_path, {"w": np.ones(2)})
+    monkeypatch.setattr(_io, "FORMAT_VERSION", 2)  # polydist before safetensors
+    with pytest.raises(CheckpointError, match=r"version 3 was written by a newer polydist"):
         read_arrays(tmp_path)
 
 
@@ -787,8 +876,10 @@ def test_ml_dtype_unknown_to_the_installed_ml_dtypes(tmp_path: Path) -> None:
         (lambda d: d["arrays"][0].pop("storage_dtype"), "unsupported dtype 'bfloat16'"),
     ],
 )
-def test_invalid_ml_dtypes_manifest(tmp_path: Path, edit: Any, match: str) -> None:
-    path = write_arrays(tmp_path, {"w": np.ones(2, ml_dtype("bfloat16"))})
+def test_invalid_ml_dtypes_manifest(
+    tmp_path: Path, write_legacy: Callable[..., Path], edit: Any, match: str
+) -> None:
+    path = write_legacy(tmp_path, {"w": np.ones(2, ml_dtype("bfloat16"))})
     doc = manifest_doc(path)
     edit(doc)
     (path / "manifest.json").write_text(json.dumps(doc))
@@ -797,8 +888,8 @@ def test_invalid_ml_dtypes_manifest(tmp_path: Path, edit: Any, match: str) -> No
 
 
 @needs_ml_dtypes
-def test_damaged_ml_dtypes_file(tmp_path: Path) -> None:
-    path = write_arrays(tmp_path, {"w": np.ones((2, 3), ml_dtype("bfloat16"))})
+def test_damaged_ml_dtypes_file(tmp_path: Path, write_legacy: Callable[..., Path]) -> None:
+    path = write_legacy(tmp_path, {"w": np.ones((2, 3), ml_dtype("bfloat16"))})
     np.save(data_file(path, "w"), np.ones((2, 3), np.float16))  # same size, other dtype
     with pytest.raises(CheckpointCorruptError, match=r"manifest says shape \(2, 3\) dtype <u2"):
         read_arrays(path)

@@ -1,7 +1,8 @@
 """checkpoint.save / checkpoint.restore of variables, on top of the storage layer.
 
 Reference: "Values and variables" (checkpoints: SyncOnRead saves the aggregate,
-restoring SUM divides by N) in shared/reference/tf-distribute-and-peers.md.
+restoring SUM divides by N) in shared/reference/tf-distribute-and-peers.md;
+polydist splits a SUM exactly instead (docs/concepts/variables.md#checkpoints).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class TestRoundTrip:
         manifest = checkpoint.restore(tmp_path, fresh)
         assert manifest.step == 3
         assert copies(restored["kernel"]) == [model["kernel"].numpy().tolist()] * 4
-        assert copies(restored["loss_sum"]) == [2.5] * 4  # 10 / 4 on each copy
+        assert copies(restored["loss_sum"]) == [10.0, -0.0, -0.0, -0.0]  # exact split
         assert float(restored["loss_sum"].read_value()) == 10.0
         assert copies(restored["accuracy"]) == [1.5] * 4
         assert copies(restored["first"]) == [5] * 4
@@ -134,7 +135,7 @@ class TestRoundTrip:
         restored = make_model(target)
         checkpoint.restore(tmp_path, target)
         assert copies(restored["bias"]) == [[0.5, -0.5]] * replicas
-        assert copies(restored["loss_sum"]) == [10.0 / replicas] * replicas  # SUM: total / N
+        assert copies(restored["loss_sum"]) == [10.0] + [-0.0] * (replicas - 1)  # exact
         assert float(restored["loss_sum"].read_value()) == 10.0
         assert float(restored["accuracy"].read_value()) == 1.5
         assert model["kernel"].numpy().tolist() == restored["kernel"].numpy().tolist()
@@ -152,14 +153,56 @@ class TestRoundTrip:
         checkpoint.restore(tmp_path, plain)
         assert plain["kernel"].numpy().tolist() == [[0, 1], [2, 3], [4, 5]]
 
-    def test_integer_sum_divides_like_tf(self, tmp_path: Path) -> None:
+    def test_integer_sum_is_split_exactly(self, tmp_path: Path) -> None:
         plain = pd.Variable(np.int32(10), name="count")
         checkpoint.save(tmp_path, plain)
         strategy = pd.MirroredStrategy(3)
         with strategy.scope():
             count = pd.Variable(0, name="count", synchronization=VS.ON_READ, aggregation=VA.SUM)
         checkpoint.restore(tmp_path, count)
-        assert copies(count) == [3, 3, 3]  # int(10 / 3) on each copy (TF's cast)
+        assert copies(count) == [4, 3, 3]  # not TF's int(10 / 3) = 3 in each copy (9)
+        assert int(count.read_value()) == 10
+
+    @pytest.mark.parametrize("restore_replicas", [1, 2, 3, 5, 7])
+    @pytest.mark.parametrize("save_replicas", [2, 3, 4])
+    def test_sum_on_read_restores_bit_for_bit(
+        self, tmp_path: Path, save_replicas: int, restore_replicas: int
+    ) -> None:
+        """Issue 22 item 2: an int64 counter that read 7 came back as 6 (TF's value / N)."""
+
+        def counters(strategy: pd.Strategy) -> dict[str, Any]:
+            kw: dict[str, Any] = {"synchronization": VS.ON_READ, "aggregation": VA.SUM}
+            with strategy.scope():
+                return {
+                    "c": pd.Variable(np.int64(0), name="c", **kw),
+                    "u": pd.Variable(np.zeros(3, np.uint8), name="u", **kw),
+                    "f": pd.Variable(np.zeros(4, np.float32), name="f", **kw),
+                    "z": pd.Variable(np.zeros(1, np.complex64), name="z", **kw),
+                }
+
+        s = pd.MirroredStrategy(save_replicas)
+        saved = counters(s)
+
+        def step() -> None:
+            r = rid()
+            saved["c"].assign_add(3 + r)
+            saved["u"].assign_add(np.array([255 - r, 1, 128], np.uint8))
+            # 0.1 + 0.2 + ...: sums whose division by N rounds (TF loses their last bits)
+            saved["f"].assign_add(np.array([0.1, -0.0, 1e-8, 3.3], np.float32) * (r + 1))
+            saved["z"].assign_add(np.array([complex(0.1 * (r + 1), -0.0)], np.complex64))
+
+        s.run(step)
+        want = {k: np.asarray(v.read_value()) for k, v in saved.items()}
+        assert int(want["c"]) == sum(3 + r for r in range(save_replicas))  # 7 at 2 replicas
+        checkpoint.save(tmp_path, s)
+        t = s if restore_replicas == save_replicas else pd.MirroredStrategy(restore_replicas)
+        restored = saved if t is s else counters(t)
+        for v in restored.values():
+            v.assign(np.zeros(v.shape, v.dtype))
+        checkpoint.restore(tmp_path, t)
+        for k, v in restored.items():
+            got = np.asarray(v.read_value())
+            assert (got.dtype, got.tobytes()) == (want[k].dtype, want[k].tobytes()), k
 
     def test_nest_keys(self, tmp_path: Path) -> None:
         a, b, c = pd.Variable(1.0), pd.Variable(2.0), pd.Variable(3.0)
@@ -212,12 +255,14 @@ class TestErrors:
         model = trained(strategy)
         path = checkpoint.save(tmp_path, strategy)
         assert path is not None
-        data = path / "000001.npy"  # dense/bias
+        data = path / "tensors.safetensors"
         raw = bytearray(data.read_bytes())
-        raw[-1] ^= 0xFF
+        n = int.from_bytes(raw[:8], "little")  # the header says where each tensor is
+        start = json.loads(raw[8 : 8 + n])["dense/bias"]["data_offsets"][0]
+        raw[8 + n + start] ^= 0xFF
         data.write_bytes(bytes(raw))
         model["bias"].assign(np.zeros(2, np.float32))
-        with pytest.raises(CheckpointCorruptError, match="variable 'dense/bias': checksum"):
+        with pytest.raises(CheckpointCorruptError, match=r"variable 'dense/bias' .*: checksum"):
             checkpoint.restore(tmp_path, strategy)
         assert copies(model["bias"]) == [[0.0, 0.0]] * 2
         with pytest.raises(CheckpointNotFoundError):
@@ -330,7 +375,7 @@ def test_checkpoints_of_format_1_still_restore(tmp_path: Path) -> None:
     assert (manifest.step, manifest.format_version) == (5, 1)
     assert copies(model["kernel"]) == [kernel.tolist()] * 2
     assert copies(model["bias"]) == [[0.5, -0.5]] * 2
-    assert copies(model["loss_sum"]) == [5.0, 5.0]  # SUM: 10 / 2 in each copy
+    assert copies(model["loss_sum"]) == [10.0, -0.0]  # SUM: split exactly
     assert copies(model["accuracy"]) == [1.5, 1.5]
     assert copies(model["first"]) == [5, 5] and copies(model["step"]) == [7, 7]
 
@@ -397,7 +442,11 @@ class TestMlDtypes:
         assert bits(w2) == [BF16_SPECIAL.tolist()] * 3
         assert bits(first2) == [BF16_SPECIAL.tolist()] * 3
         assert bits(q2) == [every_e4m3.tolist()] * 3
-        assert [c.tolist() for c in map(np.asarray, copies(total2))] == [[1.0, -1.5]] * 3
+        assert [c.tolist() for c in map(np.asarray, copies(total2))] == [
+            [3.0, -4.5],
+            [-0.0, -0.0],
+            [-0.0, -0.0],
+        ]
         assert np.asarray(total2.read_value()).tolist() == [3.0, -4.5]  # the saved sum
         assert (
             bits(kernel2)
@@ -457,7 +506,7 @@ print("finished without pausing", file=sys.stderr)
 
 @pytest.mark.parametrize(
     ("stage", "detail"),
-    [("array-chunk", "w"), ("array-written", "w"), ("before-pointer", "*")],
+    [("tensors-started", "*"), ("array-written", "w"), ("before-pointer", "*")],
 )
 def test_killed_during_save_keeps_the_previous_checkpoint(
     tmp_path: Path, stage: str, detail: str

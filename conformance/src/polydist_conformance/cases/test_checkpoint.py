@@ -3,8 +3,10 @@
 TF's rules (reference, "Checkpoints"; ``docs/concepts/variables.md``): a
 ``MirroredVariable`` saves its value, a ``SyncOnReadVariable`` its aggregate
 (a SUM variable the sum of its copies) and restoring into N copies puts the
-value in each copy, or ``value / N`` for a SUM ``SyncOnReadVariable``, so it
-reads back the saved sum. The stored values do not depend on the replica
+value in each copy. A SUM ``SyncOnReadVariable`` is split exactly (polydist, not
+TF's ``value / N``): integers ``value // N`` in each copy but the first, which
+holds the rest; floats the value in the first copy and ``-0.0`` in the others,
+so it reads back the saved sum bit for bit. The stored values do not depend on the replica
 count, so a checkpoint restores into a strategy with any number of replicas,
 and a checkpoint written on the backend restores on the simulator.
 """
@@ -25,7 +27,7 @@ from polydist_conformance import Conformance, Distributed, Reduction, reduced
 VA = pd.VariableAggregation
 VS = pd.VariableSynchronization
 #: The value of the SUM variables: divisible by every replica count up to 10, so that
-#: each of N copies holds TOTAL / N exactly, whatever N the run and the restore use.
+#: each of N copies holds TOTAL / N exactly after ``assign(TOTAL)``, whatever N the run uses.
 TOTAL = 2520.0
 
 
@@ -64,10 +66,10 @@ def _scramble(variables: dict[str, Any], xp: Any) -> None:
 
 def _reads(variables: dict[str, Any]) -> dict[str, Any]:
     reads = {k: v.read_value() for k, v in variables.items()}
-    # The SUM variable reads as the sum of its N copies of TOTAL / N: a float sum.
+    # The restored SUM variable reads as the sum of its copies, TOTAL and N - 1 -0.0s.
     n = len(variables["seen"].values) if isinstance(variables["seen"], pd.DistributedValues) else 1
-    share = np.float32(TOTAL) / np.float32(n)
-    reads["seen"] = reduced(reads["seen"], Reduction.across_replicas([share] * n))
+    shares = [np.float32(TOTAL)] + [np.float32(-0.0)] * (n - 1)
+    reads["seen"] = reduced(reads["seen"], Reduction.across_replicas(shares))
     return reads
 
 
@@ -84,7 +86,7 @@ def _expected_reads() -> dict[str, Any]:
 def _expected_copies(n: int) -> dict[str, Any]:
     return {
         "kernel": Distributed("MirroredVariable", (np.asarray([1.0, 2.0, 3.0], np.float32),) * n),
-        "seen": Distributed("SyncOnReadVariable", (_f32(TOTAL / n),) * n),
+        "seen": Distributed("SyncOnReadVariable", (_f32(TOTAL),) + (_f32(-0.0),) * (n - 1)),
         "count": Distributed("SyncOnReadVariable", (np.int32(TOTAL // n),) * n),
         "mean": Distributed("SyncOnReadVariable", (_f32(2.5),) * n),
         "first": Distributed("SyncOnReadVariable", (_f32(7.0),) * n),
@@ -136,7 +138,7 @@ def test_round_trip(conformance: Conformance) -> None:
 @pytest.mark.parametrize("other", [1, 2, 3])
 def test_restore_into_another_replica_count(conformance: Conformance, other: int) -> None:
     """Saved with the run's replicas, restored into ``MirroredStrategy(other)``: mirrored
-    values go to every copy, a SUM variable's sum is split as ``sum / N``."""
+    values go to every copy, a SUM variable's sum is split exactly among the N copies."""
     try:
         devices = conformance.backend.replica_devices(other)
     except ValueError as e:
@@ -258,3 +260,53 @@ def test_save_in_replica_context_is_refused(conformance: Conformance) -> None:
             return strategy.run(lambda: pd.checkpoint.save(tmp, strategy))
 
     conformance.check_raises(program, RuntimeError, match="must be called in cross-replica")
+
+
+@pytest.mark.parametrize("other", [1, 3])
+def test_train_checkpoint_manager_round_trip(conformance: Conformance, other: int) -> None:
+    """``polydist.train.Checkpoint`` with a ``CheckpointManager``: saved on the backend,
+    restored into ``MirroredStrategy(other)`` of the backend and into the simulator; a
+    SUM variable reads back its sum exactly, and ``assert_consumed`` passes."""
+    try:
+        devices = conformance.backend.replica_devices(other)
+    except ValueError as e:
+        pytest.skip(f"needs {other} replicas: {e}")
+    if len(devices) != other:
+        pytest.skip(f"needs {other} replicas; the backend gives {len(devices)}")
+
+    def program(strategy: pd.Strategy, xp: Any) -> Any:
+        from polydist_sim import SimBackend
+
+        targets = [
+            pd.MirroredStrategy(other, backend=strategy.extended.backend),
+            pd.MirroredStrategy(2, backend=SimBackend()),
+        ]
+        with tempfile.TemporaryDirectory() as tmp:
+            with strategy.scope():
+                saved = _variables(xp)
+            _set(saved, xp)
+            ckpt = pd.train.Checkpoint(model=saved)
+            manager = pd.train.CheckpointManager(ckpt, tmp, max_to_keep=1)
+            first, path = manager.save(), manager.save()
+            out: dict[str, Any] = {"kept": [Path(p).name for p in manager.checkpoints]}
+            out["first_deleted"] = not Path(str(first)).exists()
+            for i, target in enumerate(targets):
+                with target.scope():
+                    restored = _variables(xp if i == 0 else np)
+                ck = pd.train.Checkpoint(model=restored)
+                ck.restore(path).assert_consumed()
+                out[f"reads{i}"] = _reads(restored)
+                out[f"counter{i}"] = int(np.asarray(ck.save_counter.read_value()))
+            return out
+
+    conformance.check(
+        program,
+        expected={
+            "kept": ["ckpt-2"],
+            "first_deleted": True,
+            "reads0": _expected_reads(),
+            "counter0": 2,
+            "reads1": _expected_reads(),
+            "counter1": 2,
+        },
+    )

@@ -20,6 +20,7 @@ from polydist import debugging as debugging
 from polydist import errors as errors
 from polydist import experimental as experimental
 from polydist import nn as nn
+from polydist import train as train
 from polydist._backend import available_backends as available_backends
 from polydist._backend import get_backend as get_backend
 from polydist._context import experimental_set_strategy as experimental_set_strategy
@@ -108,4 +109,5 @@ __all__ = [
     "in_cross_replica_context",
     "nn",
     "trace",
+    "train",
 ]

@@ -1,4 +1,4 @@
-"""The ``polydist`` command: doctor, demo, conformance, bench, launch.
+"""The ``polydist`` command: doctor, demo, conformance, bench, launch, checkpoint.
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that builds its
 parser and sets ``handler`` (``(args) -> exit code``); adding a command (e.g.
@@ -715,12 +715,20 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- main
 
+
+def _add_checkpoint(sub: Any) -> None:
+    from polydist.checkpoint._cli import add_parser  # its commands live with the checkpoints
+
+    add_parser(sub)
+
+
 _COMMANDS: tuple[Callable[[Any], None], ...] = (
     _add_doctor,
     _add_demo,
     _add_conformance,
     _add_bench,
     _add_launch,
+    _add_checkpoint,
 )
 
 

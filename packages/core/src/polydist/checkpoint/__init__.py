@@ -1,9 +1,11 @@
-"""polydist checkpoints: variables saved atomically as named NumPy arrays.
+"""polydist checkpoints: variables saved atomically as named arrays.
 
 ``save``/``restore`` (:mod:`polydist.checkpoint._save`) store a strategy's
-variables; :mod:`polydist.checkpoint._io` has the on-disk layout and the
-atomicity argument. Values are stored bit for bit, ml_dtypes' bfloat16 and
-float8_* included.
+variables; :mod:`polydist.checkpoint._io` has the on-disk layout (a safetensors
+file beside a JSON manifest, readable by ``safetensors.numpy.load_file``) and
+the atomicity argument. Values are stored bit for bit, ml_dtypes' bfloat16 and
+float8_* included. ``polydist.train.Checkpoint`` and ``CheckpointManager``
+(TF's object-based API) write the same format.
 """
 
 from polydist.checkpoint._io import (
@@ -12,6 +14,7 @@ from polydist.checkpoint._io import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointPathError,
     JSONLike,
     JSONValue,
     Manifest,
@@ -30,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointPathError",
     "JSONLike",
     "JSONValue",
     "Manifest",

@@ -1,32 +1,33 @@
 """Storage layer of polydist checkpoints: named NumPy arrays on disk, written atomically.
 
-Layout of a checkpoint root directory::
+Layout of a checkpoint root directory (format version 3)::
 
     root/
       checkpoint            JSON pointer file naming the latest complete checkpoint
       ckpt-1/
-        manifest.json       format version, step, metadata, and per array: name,
-                            file, shape, dtype, nbytes, sha256 of the raw data bytes
-                            (and storage_dtype for an ml_dtypes array, see below)
-        000000.npy          one plain .npy file per array (C order)
-        000001.npy
+        manifest.json       format version, step, metadata, and per array: name, its
+                            key in the tensors file, shape, dtype, encoding, nbytes,
+                            sha256 of the stored bytes; last, the sha256 of the rest
+        tensors.safetensors every array, written with the safetensors library
       ckpt-2/
       .polydist-tmp-*       leftovers of a writer that crashed; ignored by readers,
                             removed by the next writer
       .polydist-lock        advisory lock serialising writers (POSIX only)
 
-Variable names live only inside ``manifest.json`` (JSON strings), never in file
-names, so any name (``"dense/kernel:0"``, unicode, ...) is stored safely.
+The tensors file is a plain safetensors file: ``safetensors.numpy.load_file`` (or
+safetensors' torch, JAX and other loaders) reads it without polydist, each tensor under
+its variable's name.  Most dtypes are stored as themselves (bool, integers, float16/32/64,
+complex64, bfloat16 as BF16); the rest by an encoding the manifest names (see
+:func:`_encode`): the float8/float6/float4 dtypes of ml_dtypes by their bits (U8, as
+safetensors' NumPy loader cannot read back its F8 types), complex128 as float64
+(real, imaginary) pairs, any other dtype (long double) as its raw bytes.  Readers
+decode them, so values come back bit for bit (NaN payloads, -0.0, byte order included).
 
-Arrays of ml_dtypes' floats (``bfloat16``, ``float8_*``, ``float4_e2m1fn``, ...; NumPy has no such
-dtypes, and .npy files cannot name them) are stored by their bits: the .npy file holds
-the unsigned integer view of the same width, the manifest entry's ``dtype`` is the
-ml_dtypes name (``"bfloat16"``) and its ``storage_dtype`` that integer dtype
-(``"<u2"``).  Readers view the bits as the ml_dtypes dtype again, so values come back
-bit for bit (NaN payloads, -0.0 included); ml_dtypes is imported only then.  A
-manifest holding such an entry has format version 2, so that older polydist refuses
-it ("written by a newer polydist") instead of misreading it; all other checkpoints
-are still written as version 1, which every version reads.
+Format versions 1 and 2 (polydist before safetensors) stored one plain ``.npy`` file
+per array (``000000.npy``, ...; version 2 ml_dtypes floats by their bits, with a
+``storage_dtype``).  They are still read; ``polydist checkpoint convert`` rewrites
+them in version 3.  A reader refuses a version newer than it knows ("written by a
+newer polydist") instead of misreading it.
 
 Atomicity: a checkpoint is assembled in a temporary directory inside ``root``; every
 file and the temporary directory are fsynced, the directory is renamed to
@@ -74,30 +75,38 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointPathError",
     "JSONLike",
     "JSONValue",
     "Manifest",
     "latest_checkpoint",
     "list_checkpoints",
     "read_arrays",
+    "delete_checkpoint",
     "read_manifest",
+    "read_pointer",
     "write_arrays",
+    "write_checkpoint",
 ]
 
 #: Newest version of the on-disk format this module reads and writes.  A manifest is
 #: written with the lowest version that can describe it: 1 (the pointer file, and
 #: checkpoints of NumPy dtypes only) or 2 (it holds ml_dtypes arrays stored by their bits).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _BASE_VERSION = 1
 _ML_DTYPES_VERSION = 2  # first version with storage_dtype entries
+_SAFETENSORS_VERSION = 3  # tensors in one safetensors file
 
 _MANIFEST_FORMAT = "polydist.checkpoint"
 _POINTER_FORMAT = "polydist.checkpoint.pointer"
 _MANIFEST_NAME = "manifest.json"
+_TENSORS_NAME = "tensors.safetensors"
 _POINTER_NAME = "checkpoint"
+_CHECKSUM_KEY = "sha256_of_the_rest"
 _TMP_PREFIX = ".polydist-tmp-"
 _LOCK_NAME = ".polydist-lock"
-_CKPT_RE = re.compile(r"ckpt-(0|[1-9][0-9]*)")
+# ``<name>-<number>``: ckpt-3 (write_arrays), and train.Checkpoint.save's "<prefix>-<n>".
+_CKPT_RE = re.compile(r"(?!\.)([^/\\]+?)-(0|[1-9][0-9]*)")
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.npy")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SUPPORTED_KINDS = "biufc"  # bool, signed/unsigned integer, floating, complex
@@ -108,7 +117,7 @@ _ML_FLOAT_PREFIXES = ("bfloat", "float")
 _CHUNK_BYTES = 16 * 1024 * 1024
 
 # Test-only: if set, called as ``_test_hook(stage, detail)`` at points of a write
-# ("array-chunk", "array-written", "manifest-written", "before-rename", "before-pointer",
+# ("tensors-started", "array-written", "manifest-written", "before-rename", "before-pointer",
 # "pointer-tmp-written", "pointer-written") so that tests can kill a writer mid-save.
 _test_hook: Callable[[str, str], None] | None = None
 
@@ -132,6 +141,10 @@ class CheckpointError(Exception):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint where one was expected."""
+
+
+class CheckpointPathError(CheckpointError, FileExistsError):
+    """A checkpoint would be written where a file (not a directory) is."""
 
 
 class CheckpointCorruptError(CheckpointError, ValueError):
@@ -173,10 +186,16 @@ class Manifest:
 class _Entry:
     name: str
     file: str
+    """The data file: the .npy file (versions 1, 2) or the safetensors file (version 3)."""
     spec: ArraySpec
     sha256: str
     storage: np.dtype[Any]
-    """The dtype of the .npy file: ``spec.dtype``, or the bits of an ml_dtypes dtype."""
+    """The dtype of the stored data: ``spec.dtype``, or the bits of an ml_dtypes dtype
+    (.npy), or what :func:`_encode` stores it as (safetensors)."""
+    key: str = ""
+    """The tensor's name in the safetensors file (version 3)."""
+    encoding: str = ""
+    """How the tensor holds the value (version 3): see :func:`_encode`."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -187,9 +206,12 @@ def _hook(stage: str, detail: str = "") -> None:
         _test_hook(stage, detail)
 
 
-def _parse_step(name: str) -> int | None:
+def _parse_step(name: str, prefix: str | None = None) -> int | None:
+    """The number of a ``<prefix>-<number>`` checkpoint name (any prefix if None)."""
     m = _CKPT_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
+    if m is None or (prefix is not None and m.group(1) != prefix):
+        return None
+    return int(m.group(2))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -402,18 +424,149 @@ def _iter_chunks(arr: np.ndarray) -> Iterator[np.ndarray]:
             yield block.reshape(-1).view(np.uint8)
 
 
-def _write_array_file(path: Path, name: str, arr: np.ndarray) -> str:
+# safetensors' NumPy loader (``safetensors.numpy.load_file``) reads these dtypes back as
+# themselves; bfloat16 as ml_dtypes' (safetensors' BF16).  Others are encoded, see _encode.
+_NATIVE_KINDS = "biu"
+_NATIVE_FLOATS = frozenset({"f2", "f4", "f8", "c8"})
+_ENCODINGS = ("native", "bits", "complex", "bytes")
+
+
+def _encode(arr: np.ndarray, ml_bits: np.dtype[Any] | None) -> tuple[np.ndarray, str]:
+    """The little-endian, C-contiguous array safetensors stores for ``arr``, and how.
+
+    ``native``: the array itself (bool, integers, float16/32/64, complex64, bfloat16).
+    ``bits``: an ml_dtypes float safetensors' NumPy loader cannot read back (float8_*,
+    float6_*, float4_e2m1fn), as the unsigned integers of its bits (U8).
+    ``complex``: complex128 as float64 (real, imaginary) pairs, a trailing axis of 2.
+    ``bytes``: any other dtype (long double, complex long double) as its raw bytes, a
+    trailing axis of ``itemsize`` uint8.  The manifest names the real dtype.
+    """
+    dtype = arr.dtype
+    if ml_bits is not None:
+        if dtype.name == "bfloat16":  # (ascontiguousarray makes a 0-d array 1-d: reshape)
+            return np.ascontiguousarray(arr).reshape(arr.shape), "native"
+        flat = np.ascontiguousarray(arr).reshape(-1).view(ml_bits)
+        return flat.astype(ml_bits.newbyteorder("<"), copy=False).reshape(arr.shape), "bits"
+    little = dtype.newbyteorder("<") if dtype.byteorder != "|" else dtype
+    if dtype.kind in _NATIVE_KINDS or little.str[1:] in _NATIVE_FLOATS:
+        return np.ascontiguousarray(arr, dtype=little).reshape(arr.shape), "native"
+    if little.str == "<c16":
+        flat = np.ascontiguousarray(arr, dtype=little).reshape(-1).view("<f8")
+        return flat.reshape((*arr.shape, 2)), "complex"
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return flat.reshape((*arr.shape, dtype.itemsize)), "bytes"
+
+
+def _stored_dtype(dtype: np.dtype[Any], encoding: str) -> np.dtype[Any]:
+    """The dtype (native byte order) safetensors hands back for a tensor stored as ``encoding``."""
+    if encoding == "native":
+        return dtype if dtype.isbuiltin == 2 else dtype.newbyteorder("=")
+    if encoding == "bits":
+        return np.dtype(f"u{dtype.itemsize}")
+    if encoding == "complex":
+        return np.dtype(np.float64)
+    return np.dtype(np.uint8)
+
+
+def _stored_shape(spec: ArraySpec, encoding: str) -> tuple[int, ...]:
+    if encoding == "complex":
+        return (*spec.shape, 2)
+    if encoding == "bytes":
+        return (*spec.shape, spec.dtype.itemsize)
+    return spec.shape
+
+
+def _decode(tensor: np.ndarray, entry: _Entry) -> np.ndarray:
+    spec = entry.spec
+    if entry.encoding == "native":
+        return tensor.astype(spec.dtype, copy=False)
+    flat = np.ascontiguousarray(tensor).reshape(-1)
+    if entry.encoding == "bits":
+        return flat.view(spec.dtype).reshape(spec.shape)
+    if entry.encoding == "complex":
+        return flat.view(np.complex128).reshape(spec.shape).astype(spec.dtype, copy=False)
+    return flat.view(spec.dtype).reshape(spec.shape)
+
+
+def _sha256(arr: np.ndarray) -> str:
     digest = hashlib.sha256()
-    with open(path, "xb") as f:
-        header = {"descr": arr.dtype.str, "fortran_order": False, "shape": arr.shape}
-        np.lib.format.write_array_header_1_0(f, header)
-        for chunk in _iter_chunks(arr):
-            f.write(chunk.data)
-            digest.update(chunk.data)
-            _hook("array-chunk", name)
-        f.flush()
-        os.fsync(f.fileno())
+    for chunk in _iter_chunks(arr):
+        digest.update(chunk.data)
     return digest.hexdigest()
+
+
+def _write_tensors_file(
+    path: Path, prepared: list[tuple[str, np.ndarray, np.dtype[Any] | None]], step: int
+) -> list[dict[str, object]]:
+    """Writes every array into one safetensors file (fsynced); the manifest's entries."""
+    from safetensors.numpy import save_file  # only writers need it
+
+    tensors: dict[str, np.ndarray] = {}
+    items: list[dict[str, object]] = []
+    for name, arr, ml_bits in prepared:
+        stored, encoding = _encode(arr, ml_bits)
+        # "__metadata__" is the safetensors header's own entry: store that name elsewhere.
+        key = name if name != "__metadata__" else "__metadata__:0"
+        while key in tensors:
+            key += ":0"
+        tensors[key] = stored
+        item: dict[str, object] = {"name": name, "key": key, "shape": list(arr.shape)}
+        item["dtype"] = arr.dtype.name if ml_bits is not None else arr.dtype.str
+        item.update(encoding=encoding, nbytes=arr.nbytes, sha256=_sha256(stored))
+        items.append(item)
+    header = {"format": _MANIFEST_FORMAT, "step": str(step), "manifest": _MANIFEST_NAME}
+    _hook("tensors-started", path.name)
+    save_file(tensors, str(path), metadata=header)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    for name, _, _ in prepared:
+        _hook("array-written", name)
+    return items
+
+
+def _read_tensors(ckpt_dir: Path, entries: Sequence[_Entry]) -> dict[str, np.ndarray]:
+    """The arrays of ``entries`` from a version 3 checkpoint's safetensors file, verified."""
+    from safetensors import safe_open  # only version 3 readers need it
+
+    out: dict[str, np.ndarray] = {}
+    if not entries:
+        return out
+    path = ckpt_dir / entries[0].file
+    if not path.is_file():
+        raise CheckpointCorruptError(
+            f"{path} is missing (file deleted?): it holds the tensors of "
+            + ", ".join(repr(e.name) for e in entries[:5])
+            + ("..." if len(entries) > 5 else "")
+            + "; "
+            + _restore_hint(ckpt_dir)
+        )
+    try:
+        with safe_open(str(path), framework="np") as f:
+            for entry in entries:
+                where = f"variable {entry.name!r} (tensor {entry.key!r} of {path})"
+                tensor = f.get_tensor(entry.key)
+                want = (_stored_shape(entry.spec, entry.encoding), entry.storage)
+                if (tuple(tensor.shape), tensor.dtype) != want:
+                    raise CheckpointCorruptError(
+                        f"{where}: the manifest says {_fmt_spec(*want)} but the file holds "
+                        f"{_fmt_spec(tensor.shape, tensor.dtype)} (file damaged or replaced?); "
+                        + _restore_hint(ckpt_dir)
+                    )
+                found = _sha256(tensor)
+                if found != entry.sha256:
+                    raise CheckpointCorruptError(
+                        f"{where}: checksum mismatch (file damaged?): the manifest expects "
+                        f"sha256 {entry.sha256}, the file has {found}; " + _restore_hint(ckpt_dir)
+                    )
+                out[entry.name] = _decode(tensor, entry)
+    except CheckpointCorruptError:
+        raise
+    except Exception as e:  # safetensors' errors on damaged bytes: SafetensorError and others
+        raise CheckpointCorruptError(
+            f"{path}: the safetensors file is unreadable ({type(e).__name__}: {e}) "
+            "(file damaged or truncated?); " + _restore_hint(ckpt_dir)
+        ) from None
+    return out
 
 
 def _read_array_file(ckpt_dir: Path, entry: _Entry) -> np.ndarray:
@@ -435,10 +588,11 @@ def _read_array_file(ckpt_dir: Path, entry: _Entry) -> np.ndarray:
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
             else:
                 raise ValueError(f"unsupported .npy format version {version}")
-        except (ValueError, SyntaxError, EOFError) as e:
+        except Exception as e:  # NumPy's header parser raises many kinds
+            # (ValueError, SyntaxError, tokenize.TokenError, TypeError, ...) on damaged bytes.
             raise CheckpointCorruptError(
-                f"variable {name!r}: the header of {path} is unreadable ({e}) (file damaged?); "
-                + _restore_hint(ckpt_dir)
+                f"variable {name!r}: the header of {path} is unreadable "
+                f"({type(e).__name__}: {e}) (file damaged?); " + _restore_hint(ckpt_dir)
             ) from None
         if tuple(shape) != spec.shape or dtype != entry.storage or fortran:
             found = _fmt_spec(shape, dtype) + (" Fortran order" if fortran else "")
@@ -496,11 +650,13 @@ def _load_manifest(ckpt_dir: Path) -> tuple[Manifest, dict[str, _Entry]]:
 
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointCorruptError(
             f"{path}: manifest is not valid JSON ({e}); it is truncated or damaged; "
             + _restore_hint(ckpt_dir)
         ) from None
+    if not _checksum_ok(doc):
+        raise bad(f"its {_CHECKSUM_KEY} does not match its contents")
     if not isinstance(doc, dict) or doc.get("format") != _MANIFEST_FORMAT:
         raise bad(f'expected a JSON object with "format": {_MANIFEST_FORMAT!r}')
     version = doc.get("format_version")
@@ -523,6 +679,10 @@ def _load_manifest(ckpt_dir: Path) -> tuple[Manifest, dict[str, _Entry]]:
 
     entries: dict[str, _Entry] = {}
     files: set[str] = set()
+    keys: set[str] = set()
+    tensors_file = doc.get("tensors_file")
+    if version >= _SAFETENSORS_VERSION and tensors_file != _TENSORS_NAME:
+        raise bad(f'"tensors_file" must be {_TENSORS_NAME!r}, found {tensors_file!r}')
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise bad(f"arrays[{i}] must be an object")
@@ -533,33 +693,57 @@ def _load_manifest(ckpt_dir: Path) -> tuple[Manifest, dict[str, _Entry]]:
         where = f"variable {name!r}"
         if name in entries:
             raise bad(f"{where} is listed twice")
-        if not isinstance(file, str) or not _FILE_RE.fullmatch(file) or file in files:
-            raise bad(f"{where}: bad or duplicate file name {file!r}")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise bad(f"{where}: shape must be a list of non-negative integers, found {shape!r}")
-        storage_str = item.get("storage_dtype")
-        storage = _numpy_dtype(dtype_str if storage_str is None else storage_str)
-        if storage is None or storage.kind not in _SUPPORTED_KINDS:
-            raise bad(f"{where}: unsupported dtype {dtype_str!r}")
-        if storage_str is None:
-            dtype = storage
-        elif version < _ML_DTYPES_VERSION:
-            raise bad(f"{where}: storage_dtype is not part of format version {version}")
-        elif storage.kind != "u" or not (
-            isinstance(dtype_str, str) and _ML_NAME_RE.fullmatch(dtype_str)
-        ):
-            raise bad(f"{where}: unsupported dtype {dtype_str!r} stored as {storage_str!r}")
+        if version >= _SAFETENSORS_VERSION:
+            key, encoding = item.get("key"), item.get("encoding")
+            if not isinstance(key, str) or key in keys or key == "__metadata__":
+                raise bad(f"{where}: bad or duplicate tensor key {key!r}")
+            if not isinstance(encoding, str) or encoding not in _ENCODINGS:
+                raise bad(f"{where}: unknown encoding {encoding!r}")
+            numpy_dtype = _numpy_dtype(dtype_str)
+            if numpy_dtype is not None and numpy_dtype.kind in _SUPPORTED_KINDS:
+                dtype = numpy_dtype
+            elif isinstance(dtype_str, str) and _ML_NAME_RE.fullmatch(dtype_str):
+                dtype = _ml_dtype_for_reading(dtype_str, path, where, bad)
+            else:
+                raise bad(f"{where}: unsupported dtype {dtype_str!r}")
+            entry = _Entry(
+                name,
+                _TENSORS_NAME,
+                ArraySpec(tuple(shape), dtype),
+                str(sha),
+                _stored_dtype(dtype, encoding),
+                key,
+                encoding,
+            )
+            keys.add(key)
         else:
-            dtype = _ml_dtype_for_reading(dtype_str, path, where, bad)
-            if dtype.itemsize != storage.itemsize:
-                raise bad(f"{where}: {dtype_str} cannot be stored as {storage_str!r}")
-        spec = ArraySpec(tuple(shape), dtype)
-        if nbytes != spec.nbytes:
+            if not isinstance(file, str) or not _FILE_RE.fullmatch(file) or file in files:
+                raise bad(f"{where}: bad or duplicate file name {file!r}")
+            storage_str = item.get("storage_dtype")
+            storage = _numpy_dtype(dtype_str if storage_str is None else storage_str)
+            if storage is None or storage.kind not in _SUPPORTED_KINDS:
+                raise bad(f"{where}: unsupported dtype {dtype_str!r}")
+            if storage_str is None:
+                dtype = storage
+            elif version < _ML_DTYPES_VERSION:
+                raise bad(f"{where}: storage_dtype is not part of format version {version}")
+            elif storage.kind != "u" or not (
+                isinstance(dtype_str, str) and _ML_NAME_RE.fullmatch(dtype_str)
+            ):
+                raise bad(f"{where}: unsupported dtype {dtype_str!r} stored as {storage_str!r}")
+            else:
+                dtype = _ml_dtype_for_reading(dtype_str, path, where, bad)
+                if dtype.itemsize != storage.itemsize:
+                    raise bad(f"{where}: {dtype_str} cannot be stored as {storage_str!r}")
+            entry = _Entry(name, file, ArraySpec(tuple(shape), dtype), str(sha), storage)
+            files.add(file)
+        if nbytes != entry.spec.nbytes:
             raise bad(f"{where}: nbytes {nbytes!r} does not match {_fmt_spec(shape, dtype)}")
         if not isinstance(sha, str) or not _SHA256_RE.fullmatch(sha):
             raise bad(f"{where}: sha256 must be 64 lowercase hex digits, found {sha!r}")
-        entries[name] = _Entry(name, file, spec, sha, storage)
-        files.add(file)
+        entries[name] = entry
 
     manifest = Manifest(
         path=ckpt_dir,
@@ -587,6 +771,33 @@ def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _canonical(doc: Mapping[str, object]) -> bytes:
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return text.encode("ascii")
+
+
+def _dump_json(doc: Mapping[str, object]) -> str:
+    return json.dumps(doc, indent=1, ensure_ascii=True, allow_nan=False)
+
+
+def _with_checksum(doc: Mapping[str, object]) -> dict[str, object]:
+    """``doc`` and the sha256 of its canonical JSON, so that any damage to a manifest or
+    pointer (a flipped byte that still parses: a name, a shape, a step) is detected."""
+    return {**doc, _CHECKSUM_KEY: hashlib.sha256(_canonical(doc)).hexdigest()}
+
+
+def _checksum_ok(doc: object) -> bool:
+    """Whether ``doc`` matches its checksum; documents written before checksums have none."""
+    if not isinstance(doc, dict) or _CHECKSUM_KEY not in doc:
+        return True
+    rest = {k: v for k, v in doc.items() if k != _CHECKSUM_KEY}
+    try:
+        digest = hashlib.sha256(_canonical(rest)).hexdigest()
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return bool(doc[_CHECKSUM_KEY] == digest)
+
+
 # --------------------------------------------------------------------------- pointer
 
 
@@ -602,12 +813,17 @@ def _read_pointer(root: Path) -> str | None:
             f"{path} is a directory, expected polydist's checkpoint pointer file"
         ) from None
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
+        if not _checksum_ok(doc):
+            raise ValueError(f"its {_CHECKSUM_KEY} does not match its contents")
         if not isinstance(doc, dict) or doc.get("format") != _POINTER_FORMAT:
             raise ValueError(f'expected a JSON object with "format": {_POINTER_FORMAT!r}')
         name = doc.get("latest")
         if not isinstance(name, str) or _parse_step(name) is None:
-            raise ValueError(f'"latest" must name a ckpt-<step> directory, found {name!r}')
+            raise ValueError(f'"latest" must name a <name>-<step> directory, found {name!r}')
     except ValueError as e:  # includes JSONDecodeError and UnicodeDecodeError
         raise CheckpointCorruptError(
             f"{path}: the checkpoint pointer file is damaged ({e}); pass a checkpoint "
@@ -617,8 +833,9 @@ def _read_pointer(root: Path) -> str | None:
     return name
 
 
-def _write_pointer(root: Path, name: str) -> None:
+def _write_pointer(root: Path, name: str, extra: Mapping[str, JSONValue] | None = None) -> None:
     doc = {
+        **(extra or {}),
         "format": _POINTER_FORMAT,
         "format_version": _BASE_VERSION,  # the pointer's layout is that of version 1
         "latest": name,
@@ -626,7 +843,8 @@ def _write_pointer(root: Path, name: str) -> None:
     }
     tmp = root / f"{_TMP_PREFIX}pointer-{uuid.uuid4().hex}"
     try:
-        _write_file_durably(tmp, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+        text = json.dumps(_with_checksum(doc), indent=1, ensure_ascii=True, allow_nan=False)
+        _write_file_durably(tmp, (text + "\n").encode("utf-8"))
         _hook("pointer-tmp-written", name)
         os.replace(tmp, root / _POINTER_NAME)
     except BaseException:
@@ -639,8 +857,10 @@ def _write_pointer(root: Path, name: str) -> None:
 # --------------------------------------------------------------------------- public API
 
 
-def list_checkpoints(directory: PathLike) -> list[Path]:
-    """The complete checkpoints (``ckpt-<step>`` with a manifest) in ``directory``, by step.
+def list_checkpoints(directory: PathLike, checkpoint_name: str | None = None) -> list[Path]:
+    """The complete checkpoints (``<name>-<step>`` with a manifest) in ``directory``, by
+    step: ``ckpt-<step>`` as ``write_arrays`` names them, and those of
+    ``polydist.train`` (``checkpoint_name`` selects one name; by default every one).
 
     Damage inside a listed checkpoint is only detected when it is read.  Returns ``[]``
     if ``directory`` does not exist.
@@ -648,7 +868,9 @@ def list_checkpoints(directory: PathLike) -> list[Path]:
     root = Path(directory)
     try:
         with os.scandir(root) as it:
-            found = [(s, e.name) for e in it if (s := _parse_step(e.name)) is not None]
+            found = [
+                (s, e.name) for e in it if (s := _parse_step(e.name, checkpoint_name)) is not None
+            ]
     except (FileNotFoundError, NotADirectoryError):
         return []
     return [root / n for _, n in sorted(found) if (root / n / _MANIFEST_NAME).is_file()]
@@ -738,6 +960,8 @@ def read_arrays(path: PathLike, names: Iterable[str] | None = None) -> dict[str,
             + ", ".join(repr(n) for n in missing)
             + f"{did_you_mean}; it has {len(have)} variable(s): {shown or '(none)'}"
         )
+    if manifest.format_version >= _SAFETENSORS_VERSION:
+        return _read_tensors(ckpt_dir, [entries[n] for n in wanted])
     return {n: _read_array_file(ckpt_dir, entries[n]) for n in wanted}
 
 
@@ -775,75 +999,148 @@ def write_arrays(
             raise ValueError(f"max_to_keep must be None or an int >= 1, got {max_to_keep!r}")
         max_to_keep = operator.index(max_to_keep)
 
-    root.mkdir(parents=True, exist_ok=True)
+    _make_root(root)
     with _writer_lock(root):
         _remove_leftovers(root)
         if step is None:
             step = _next_step(root)
-        name = f"ckpt-{step}"
-        final = root / name
-        if os.path.lexists(final) and name == _current_latest_name(root):
-            raise CheckpointError(
-                f"{final} already exists and is the latest checkpoint; it cannot be replaced "
-                "atomically. Write a different step, or delete it first"
-            )
-
-        tmp = root / f"{_TMP_PREFIX}{name}-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        displaced: Path | None = None
-        try:
-            items: list[dict[str, object]] = []
-            for i, (var, arr, storage) in enumerate(prepared):
-                file = f"{i:06d}.npy"
-                bits = arr if storage is None else arr.view(storage)
-                sha = _write_array_file(tmp / file, var, bits)
-                item: dict[str, object] = {"name": var, "file": file, "shape": list(arr.shape)}
-                if storage is None:
-                    item["dtype"] = arr.dtype.str
-                else:  # ml_dtypes: its name, and the dtype of the bits in the file
-                    item["dtype"] = arr.dtype.name
-                    item["storage_dtype"] = storage.str
-                item.update(nbytes=arr.nbytes, sha256=sha)
-                items.append(item)
-                _hook("array-written", var)
-            has_ml = any(storage is not None for _, _, storage in prepared)
-            doc = {
-                "format": _MANIFEST_FORMAT,
-                "format_version": _ML_DTYPES_VERSION if has_ml else _BASE_VERSION,
-                "step": step,
-                "created_unix": time.time(),
-                "metadata": meta,
-                "arrays": items,
-            }
-            text = json.dumps(doc, indent=1, ensure_ascii=True, allow_nan=False) + "\n"
-            _write_file_durably(tmp / _MANIFEST_NAME, text.encode("utf-8"))
-            _hook("manifest-written", name)
-            _fsync_dir(tmp)
-            _hook("before-rename", name)
-            if os.path.lexists(final):  # an older or never-committed one: move it aside
-                displaced = root / f"{_TMP_PREFIX}replaced-{name}-{uuid.uuid4().hex}"
-                os.rename(final, displaced)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if displaced is not None and not os.path.lexists(final):
-                with contextlib.suppress(OSError):
-                    os.rename(displaced, final)  # put the displaced checkpoint back
-            raise
-        _fsync_dir(root)
-        if displaced is not None:
-            shutil.rmtree(displaced, ignore_errors=True)
-        _hook("before-pointer", name)
-        _write_pointer(root, name)
-        _hook("pointer-written", name)
+        final = _commit(root, f"ckpt-{step}", prepared, meta, step, pointer={})
         if max_to_keep is not None:
-            _prune(root, keep=name, max_to_keep=max_to_keep)
+            _prune(root, keep=final.name, max_to_keep=max_to_keep)
     return final
+
+
+def write_checkpoint(
+    path: PathLike,
+    arrays: Mapping[str, np.ndarray[Any, Any] | np.generic[Any]],
+    *,
+    step: int,
+    metadata: Mapping[str, JSONLike] | None = None,
+    pointer: Mapping[str, JSONLike] | None = None,
+) -> Path:
+    """Atomically writes ``arrays`` as the checkpoint directory ``path`` (any name).
+
+    With ``pointer`` (a mapping, maybe empty), the pointer file of ``path``'s parent
+    then names it as the latest, with ``pointer``'s entries added (what
+    ``polydist.train.CheckpointManager`` records); without, no pointer is written
+    (``polydist.train.Checkpoint.write``).  As :func:`write_arrays` otherwise.
+    """
+    final = Path(path)
+    if not final.name or final.name.startswith(".") or final.name in (_POINTER_NAME, _LOCK_NAME):
+        raise ValueError(
+            f"cannot write a checkpoint to {final}: its last component must name the "
+            f"checkpoint directory (not empty, not starting with '.', not {_POINTER_NAME!r}); "
+            "pass a path such as 'ckpts/model'"
+        )
+    prepared = _prepare_arrays(arrays)
+    meta = _normalize_json(dict(metadata or {}), "")
+    extra = None if pointer is None else _normalize_json(dict(pointer), "(pointer)")
+    if isinstance(step, bool) or operator.index(step) < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    root = final.parent
+    _make_root(root)
+    with _writer_lock(root):
+        _remove_leftovers(root)
+        return _commit(root, final.name, prepared, meta, operator.index(step), pointer=extra)
+
+
+def _commit(
+    root: Path,
+    name: str,
+    prepared: list[tuple[str, np.ndarray, np.dtype[Any] | None]],
+    meta: JSONValue,
+    step: int,
+    *,
+    pointer: JSONValue,
+) -> Path:
+    """Writes ``root/name`` atomically (the writer lock held); with ``pointer`` (a dict of
+    extra entries, not None) the pointer file then names it."""
+    final = root / name
+    if os.path.lexists(final) and name == _current_latest_name(root):
+        raise CheckpointError(
+            f"{final} already exists and is the latest checkpoint; it cannot be replaced "
+            "atomically. Write a different step, or delete it first"
+        )
+
+    tmp = root / f"{_TMP_PREFIX}{name}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    displaced: Path | None = None
+    try:
+        items = _write_tensors_file(tmp / _TENSORS_NAME, prepared, step)
+        doc = {
+            "format": _MANIFEST_FORMAT,
+            "format_version": _SAFETENSORS_VERSION,
+            "step": step,
+            "created_unix": time.time(),
+            "metadata": meta,
+            "tensors_file": _TENSORS_NAME,
+            "arrays": items,
+        }
+        text = _dump_json(_with_checksum(doc)) + "\n"
+        _write_file_durably(tmp / _MANIFEST_NAME, text.encode("utf-8"))
+        _hook("manifest-written", name)
+        _fsync_dir(tmp)
+        _hook("before-rename", name)
+        if os.path.lexists(final):  # an older or never-committed one: move it aside
+            displaced = root / f"{_TMP_PREFIX}replaced-{name}-{uuid.uuid4().hex}"
+            os.rename(final, displaced)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if displaced is not None and not os.path.lexists(final):
+            with contextlib.suppress(OSError):
+                os.rename(displaced, final)  # put the displaced checkpoint back
+        raise
+    _fsync_dir(root)
+    if displaced is not None:
+        shutil.rmtree(displaced, ignore_errors=True)
+    if isinstance(pointer, dict):
+        _hook("before-pointer", name)
+        _write_pointer(root, name, pointer)
+        _hook("pointer-written", name)
+    return final
+
+
+def delete_checkpoint(path: PathLike) -> None:
+    """Deletes the checkpoint directory ``path``; it stops looking like a checkpoint at
+    once (renamed aside first), so a crash midway never leaves half of one."""
+    p = Path(path)
+    if not (p / _MANIFEST_NAME).is_file():
+        return
+    trash = p.parent / f"{_TMP_PREFIX}deleted-{p.name}-{uuid.uuid4().hex}"
+    os.rename(p, trash)
+    _fsync_dir(p.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def read_pointer(directory: PathLike) -> dict[str, JSONValue] | None:
+    """The pointer file of ``directory`` as a dict (``"latest"`` and what the writer
+    added), None if there is none; CheckpointCorruptError if it is damaged."""
+    root = Path(directory)
+    if _read_pointer(root) is None:
+        return None
+    doc = json.loads((root / _POINTER_NAME).read_bytes().decode("utf-8"))
+    return {k: v for k, v in doc.items() if k != _CHECKSUM_KEY}
+
+
+def _make_root(root: Path) -> None:
+    """Creates the checkpoint root; a file in its place is refused with a clear error."""
+    for p in (root, *root.parents):
+        if p.exists() and not p.is_dir():
+            what = "is" if p == root else f"is inside {p}, which is"
+            raise CheckpointPathError(
+                f"cannot save a checkpoint to {root}: it {what} an existing file, not a "
+                "directory. Checkpoints are directories (ckpt-<step>/ and a pointer file): "
+                "pass a directory path (a new one is created), or move the file away"
+            )
+        if p.exists():
+            break
+    root.mkdir(parents=True, exist_ok=True)
 
 
 def _next_step(root: Path) -> int:
     with os.scandir(root) as it:
-        steps = [s for e in it if (s := _parse_step(e.name)) is not None]
+        steps = [s for e in it if (s := _parse_step(e.name, "ckpt")) is not None]
     return max(steps, default=0) + 1
 
 
@@ -857,7 +1154,7 @@ def _current_latest_name(root: Path) -> str | None:
 
 
 def _prune(root: Path, keep: str, max_to_keep: int) -> None:
-    others = [p for p in list_checkpoints(root) if p.name != keep]
+    others = [p for p in list_checkpoints(root, "ckpt") if p.name != keep]
     doomed = others[: max(0, len(others) - (max_to_keep - 1))]
     trash: list[Path] = []
     for p in doomed:  # rename first: a half-deleted directory must not look like a checkpoint

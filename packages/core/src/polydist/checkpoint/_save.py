@@ -11,8 +11,10 @@ are stored bit for bit, ml_dtypes' bfloat16 and float8_* included (by their
 bits, see :mod:`polydist.checkpoint._io`). The stored
 values do not depend on the number of replicas, so a checkpoint restores
 into a strategy with any replica count: a mirrored value goes to every copy,
-and a ``SUM`` ``SyncOnReadVariable`` gets ``value / N`` in each of its N
-copies, so that it reads back as the saved sum.
+and a ``SUM`` ``SyncOnReadVariable`` is split exactly among its N copies
+(:func:`exact_sum_split`), so that it reads back as the saved sum bit for bit
+(TF writes ``value / N`` into each copy, which loses integer counts and float
+bits).
 
 Names in the checkpoint:
 
@@ -36,7 +38,7 @@ import numpy as np
 import optree
 
 from polydist import _context
-from polydist._arrays import dtype_name, mean_from_sum
+from polydist._arrays import dtype_name
 from polydist._strategy import Strategy
 from polydist._values import DistributedValues
 from polydist._variables import (
@@ -96,13 +98,7 @@ def save(
     info: dict[str, Any] = {}
     for key, var in items:
         arrays[key] = _saved_value(var)
-        info[key] = {
-            "name": var.name,
-            "class": type(var).__name__,
-            "synchronization": var.synchronization.name,
-            "aggregation": var.aggregation.name,
-            "replicas": len(_components(var)),
-        }
+        info[key] = _saved_info(var)
     if strategy is not None and not strategy.extended.should_checkpoint:
         return None
     # A nest of variables carries its strategies: only their chief writes.
@@ -166,6 +162,17 @@ def restore(
         for component, array in zip(_components(var), copies):
             component._write_storage(array)
     return manifest
+
+
+def _saved_info(var: Variable) -> dict[str, Any]:
+    """What the manifest records about a saved variable."""
+    return {
+        "name": var.name,
+        "class": type(var).__name__,
+        "synchronization": var.synchronization.name,
+        "aggregation": var.aggregation.name,
+        "replicas": len(_components(var)),
+    }
 
 
 def _require_cross_replica(what: str) -> None:
@@ -255,9 +262,38 @@ def _saved_value(var: Variable) -> np.ndarray:
 def _restored_copies(var: Variable, stored: np.ndarray) -> list[Any]:
     backend = var._backend
     xp = backend.array_namespace()
-    value = xp.asarray(stored)
     components = _components(var)
     if isinstance(var, SyncOnReadVariable) and var.aggregation is VariableAggregation.SUM:
-        # TF: each of the N copies gets value / N, cast to the dtype, so the sum reads back.
-        value = xp.astype(mean_from_sum(xp, value, _global_copies(var)), var.dtype)
+        # Not TF's value / N in each copy (it loses counts and float bits): an exact split.
+        n = _global_copies(var)
+        strategy = getattr(var, "_distribute_strategy", None)
+        offset = int(getattr(getattr(strategy, "extended", None), "_replica_offset", 0))
+        shares = exact_sum_split(stored, n)[offset : offset + len(components)]
+        return [c._place(xp.asarray(s)) for c, s in zip(components, shares)]
+    value = xp.asarray(stored)
     return [c._place(_copy(value, xp)) for c in components]
+
+
+def exact_sum_split(value: np.ndarray, n: int) -> list[np.ndarray]:
+    """``n`` arrays whose sum is ``value`` bit for bit, whatever order they are added in.
+
+    Integers: ``value // n`` in each copy but the first, which holds the rest
+    (``value - (n - 1) * (value // n)``; integer arithmetic is exact, and wraps
+    exactly where it overflows). Floats (and complex, bfloat16, float8):
+    ``value`` in the first copy and ``-0.0`` in the others, since ``x + -0.0 == x``
+    for every ``x`` (``-0.0``, infinities and NaNs included), where ``value / n``
+    rounds. TF writes ``value / n`` (cast) into every copy and loses both.
+    """
+    value = np.asarray(value)
+    if n == 1:
+        return [value.copy()]
+    flat = value.reshape(-1)  # 1-d, so that NumPy's integer arithmetic wraps silently
+    if flat.dtype.kind in "iu":
+        share = np.floor_divide(flat, n)
+        first = np.subtract(flat, np.multiply(share, n - 1, dtype=flat.dtype), dtype=flat.dtype)
+        parts = [first] + [share.copy() for _ in range(n - 1)]
+    else:
+        # complex: both parts -0.0 (NumPy's complex(-0.0) has imaginary part +0.0)
+        negative_zero = np.full_like(flat, complex(-0.0, -0.0) if flat.dtype.kind == "c" else -0.0)
+        parts = [flat.copy()] + [negative_zero.copy() for _ in range(n - 1)]
+    return [p.reshape(value.shape) for p in parts]

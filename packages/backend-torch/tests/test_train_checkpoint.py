@@ -1,0 +1,123 @@
+"""polydist.train.Checkpoint with real torch modules and optimizers (issue 19 item 3):
+state_dict()/load_state_dict() objects, duck-typed by core, restored bit for bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from polydist.checkpoint import CheckpointMismatchError
+from polydist.train import Checkpoint, CheckpointManager
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+        self.out = torch.nn.Linear(3, 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.fc(x))))
+
+
+def make(seed: int) -> tuple[Net, torch.optim.Adam]:
+    torch.manual_seed(seed)
+    net = Net()
+    return net, torch.optim.Adam(net.parameters(), lr=0.01, betas=(0.8, 0.95))
+
+
+def step(net: Net, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    opt.step()
+
+
+def weights(net: Net) -> dict[str, bytes]:
+    return {k: v.detach().numpy().tobytes() for k, v in net.state_dict().items()}
+
+
+def test_module_and_adam_restore_bit_for_bit(tmp_path: Path) -> None:
+    net, opt = make(0)
+    for s in range(3):
+        step(net, opt, s)
+    manager = CheckpointManager(Checkpoint(model=net, optimizer=opt), tmp_path, max_to_keep=2)
+    path = manager.save()
+    assert path is not None
+    names = sorted(load_file(Path(path) / "tensors.safetensors"))
+    assert "model/fc.weight" in names and "model/norm.running_mean" in names
+    assert "optimizer/state/0/exp_avg" in names and "optimizer/state/0/step" in names
+    meta = json.loads((Path(path) / "manifest.json").read_text())["metadata"]
+    assert "optimizer" in meta["polydist_checkpoint"]["state_dicts"]
+
+    # a fresh module and optimizer (another seed: other weights, an empty Adam state)
+    net2, opt2 = make(1)
+    restored = CheckpointManager(Checkpoint(model=net2, optimizer=opt2), tmp_path, max_to_keep=2)
+    assert restored.restore_or_initialize() == path
+    assert weights(net2) == weights(net)
+    state, state2 = opt.state_dict(), opt2.state_dict()
+    assert state2["param_groups"] == state["param_groups"]  # betas a tuple, lr, ...
+    assert isinstance(state2["param_groups"][0]["betas"], tuple)
+    for i, s in state["state"].items():
+        for k, t in s.items():
+            assert torch.equal(state2["state"][i][k], t), (i, k)
+            assert state2["state"][i][k].dtype == t.dtype
+    # the next step gives bitwise-equal weights
+    step(net, opt, 10)
+    step(net2, opt2, 10)
+    assert weights(net2) == weights(net)
+
+
+def test_bfloat16_module(tmp_path: Path) -> None:
+    pytest.importorskip("ml_dtypes")
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    path = Checkpoint(model=net).save(tmp_path / "ckpt")
+    stored = load_file(Path(path) / "tensors.safetensors")
+    assert str(stored["model/weight"].dtype) == "bfloat16"
+    other = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    Checkpoint(model=other).restore(path).assert_consumed()
+    assert torch.equal(other.weight.view(torch.int16), net.weight.view(torch.int16))
+
+
+def test_a_mismatched_module_changes_nothing(tmp_path: Path) -> None:
+    net, _ = make(0)
+    path = Checkpoint(model=net).save(tmp_path / "ckpt")
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 5))
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError, match="not in the checkpoint"):
+        Checkpoint(model=wider).restore(path)
+    for k, v in wider.state_dict().items():
+        assert torch.equal(v, before[k])
+    other, _ = make(2)
+    other.fc = torch.nn.Linear(4, 3, bias=True)
+    with torch.no_grad():
+        other.fc.weight.zero_()
+    other.out = torch.nn.Linear(3, 7, bias=False)  # another shape
+    with pytest.raises(CheckpointMismatchError, match=r"'model/out.weight' is float32\[7, 3\]"):
+        Checkpoint(model=other).restore(path)
+    assert float(other.fc.weight.detach().abs().sum()) == 0.0  # unchanged
+    assert np.isfinite(float(net.fc.weight.detach().sum()))
+
+
+def test_an_optimizer_of_other_parameter_groups_changes_nothing(tmp_path: Path) -> None:
+    import polydist as pd
+
+    net, opt = make(0)
+    step(net, opt, 0)
+    v = pd.Variable(np.float32(5.0), name="v")
+    path = Checkpoint(model=net, optimizer=opt, v=v).save(tmp_path / "ckpt")
+    net2, _ = make(1)
+    fewer = torch.optim.Adam(list(net2.parameters())[:2])
+    v2 = pd.Variable(np.float32(0.0), name="v")
+    before = weights(net2)
+    with pytest.raises(CheckpointMismatchError, match=r"parameter groups of sizes \[2\].*\[5\]"):
+        Checkpoint(model=net2, optimizer=fewer, v=v2).restore(path)
+    assert weights(net2) == before and float(v2.numpy()) == 0.0

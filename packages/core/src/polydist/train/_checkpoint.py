@@ -1,0 +1,1137 @@
+"""``polydist.train.Checkpoint`` and ``CheckpointManager``: TF's object-based checkpoints.
+
+A ``Checkpoint`` names the objects it saves (``Checkpoint(model=..., optimizer=...)``)
+and stores each value under its path, as TF's object graph does: ``model/fc.weight``,
+``optimizer/state/0/exp_avg``, ``metrics/0``. It writes through the storage layer of
+:mod:`polydist.checkpoint` (one format, one writer): atomic saves, a safetensors file
+beside a JSON manifest, and every value checked before any is changed on restore.
+
+What a ``Checkpoint`` holds, found by walking its objects (see :func:`_walk`):
+
+* a ``polydist.Variable`` (mirrored, sync-on-read or plain): saved as
+  ``checkpoint.save`` saves it (a SUM ``SyncOnReadVariable`` its sum), restored into
+  any replica count, or without a strategy;
+* a nested ``Checkpoint``;
+* an object whose class was registered with :func:`register_checkpointable`;
+* an object with ``state_dict()`` and ``load_state_dict()`` (``torch.nn.Module``,
+  ``torch.optim`` optimizers; duck-typed, torch is never imported here): its tensors are
+  stored as arrays, everything else (step counts, hyperparameters, the structure) in the
+  manifest as JSON;
+* an object with a ``variables`` attribute, a sequence of Variables (Keras-style layers
+  and metrics, ``polydist.metrics``);
+* dicts, lists, tuples and namedtuples of the above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import sys
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optree
+
+from polydist import _context
+from polydist._arrays import dtype_name
+from polydist._variables import Variable, VariableAggregation, _components
+from polydist.checkpoint._io import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    JSONValue,
+    Manifest,
+    delete_checkpoint,
+    read_arrays,
+    read_manifest,
+    read_pointer,
+    write_checkpoint,
+)
+from polydist.checkpoint._io import (
+    latest_checkpoint as _latest_path,
+)
+from polydist.checkpoint._save import (
+    CheckpointMismatchError,
+    _require_cross_replica,
+    _restored_copies,
+    _saved_info,
+    _saved_value,
+)
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointLoadStatus",
+    "CheckpointManager",
+    "InitializationOnlyStatus",
+    "latest_checkpoint",
+    "register_checkpointable",
+]
+
+_META = "polydist_checkpoint"  # the manifest's metadata entry of a Checkpoint
+_VARIABLES = "polydist_variables"  # per variable: class, synchronization, aggregation
+_OBJECTS = "polydist_objects"  # per array of a state dict / registered nest: what it is
+_SAVE_COUNTER = "save_counter"
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclasses.dataclass(frozen=True)
+class _Registration:
+    to_nest: Callable[[Any], Any]
+    from_nest: Callable[[Any, Any], None] | None
+
+
+_REGISTRY: dict[type, _Registration] = {}
+
+
+def register_checkpointable(
+    cls: type,
+    *,
+    to_nest: Callable[[Any], Any],
+    from_nest: Callable[[Any, Any], None] | None = None,
+) -> None:
+    """Lets ``Checkpoint`` save and restore instances of ``cls`` (and its subclasses).
+
+    Args:
+        cls: the class, e.g. a framework's module or optimizer-state type.
+        to_nest: ``to_nest(obj)`` returns a nest (dicts, lists, tuples, namedtuples)
+            whose leaves are ``polydist.Variable`` s or arrays (NumPy arrays, or anything
+            ``np.asarray`` converts: JAX arrays, ...). It is called on save, and on
+            restore to learn the structure (shapes, dtypes) the values must fit.
+        from_nest: ``from_nest(obj, nest)`` writes restored values back into ``obj``;
+            ``nest`` has ``to_nest(obj)``'s structure with a NumPy array at every leaf.
+            ``None``: every leaf of ``to_nest(obj)`` is a Variable, which restore assigns
+            in place.
+
+    Entries are named by the object's path and the leaf's path in the nest
+    (``model/layers/0/kernel``). Registering a class again replaces its functions.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(
+            f"register_checkpointable: cls must be a class, got {cls!r} "
+            f"({type(cls).__name__}); pass the type, e.g. type(obj)"
+        )
+    if not callable(to_nest) or (from_nest is not None and not callable(from_nest)):
+        raise TypeError(
+            "register_checkpointable: to_nest must be callable and from_nest callable or "
+            f"None, got to_nest={to_nest!r}, from_nest={from_nest!r}"
+        )
+    _REGISTRY[cls] = _Registration(to_nest, from_nest)
+
+
+def _registration(obj: object) -> _Registration | None:
+    for klass in type(obj).__mro__:
+        if klass in _REGISTRY:
+            return _REGISTRY[klass]
+    return None
+
+
+# --------------------------------------------------------------------------- walking
+
+
+def _escape(part: object) -> str:
+    # "/" separates path components: escape it (and "%", the escape) inside one.
+    return str(part).replace("%", "%25").replace("/", "%2F")
+
+
+def _join(prefix: str, part: object) -> str:
+    return f"{prefix}/{_escape(part)}" if prefix else _escape(part)
+
+
+@dataclasses.dataclass
+class _VarSlot:
+    """A Variable, saved and restored under ``key``."""
+
+    key: str
+    var: Variable
+
+
+@dataclasses.dataclass
+class _StateSlot:
+    """An object with state_dict()/load_state_dict() at ``path``."""
+
+    path: str
+    obj: Any
+
+
+@dataclasses.dataclass
+class _NestSlot:
+    """A registered object at ``path``."""
+
+    path: str
+    obj: Any
+    reg: _Registration
+
+
+_Slot = _VarSlot | _StateSlot | _NestSlot
+
+
+def _pytree_node(x: Any) -> Any:
+    """optree's one-level view of ``x`` if it is a registered pytree node (other than a
+    leaf), else None: pytrees beyond dicts, lists and tuples are nests too."""
+    if isinstance(x, Variable) or optree.tree_is_leaf(x, none_is_leaf=True):
+        return None
+    return optree.tree_flatten_one_level(x, none_is_leaf=True)
+
+
+def _is_namedtuple(x: object) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _walk(obj: Any, path: str, out: list[_Slot], seen: dict[int, str], where: str) -> None:
+    """Appends the slots of ``obj`` (at ``path``) to ``out``, in a fixed order."""
+    if obj is None:
+        return
+    if isinstance(obj, Variable):
+        out.append(_VarSlot(path or "variable", obj))
+        return
+    if not isinstance(obj, (Mapping, list, tuple)):  # containers may be shared: ()
+        previous = seen.get(id(obj))
+        if previous is not None:
+            raise ValueError(
+                f"Checkpoint: the same {type(obj).__qualname__} is reachable as {previous!r} "
+                f"and {path!r}; TF's object graph would save it once under its first path, "
+                "polydist refuses (restore would load it twice): keep one of them"
+            )
+        seen[id(obj)] = path
+    if isinstance(obj, Checkpoint):
+        for name, child in obj._children.items():
+            _walk(child, _join(path, name), out, seen, where)
+        return
+    reg = _registration(obj)
+    if reg is not None:
+        out.append(_NestSlot(path, obj, reg))
+        return
+    if callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    ):
+        out.append(_StateSlot(path, obj))
+        return
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _walk(v, _join(path, k), out, seen, where)
+        return
+    if _is_namedtuple(obj):
+        for f in obj._fields:
+            _walk(getattr(obj, f), _join(path, f), out, seen, where)
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _walk(v, _join(path, i), out, seen, where)
+        return
+    node = _pytree_node(obj)
+    if node is not None:
+        for entry, child in zip(node.entries, node.children):
+            _walk(child, _join(path, entry), out, seen, where)
+        return
+    variables = getattr(obj, "variables", None)
+    if variables is not None and not isinstance(variables, (str, bytes)):
+        items = list(variables() if callable(variables) else variables)
+        if all(isinstance(v, Variable) for v in items):
+            for i, v in enumerate(items):
+                out.append(_VarSlot(_join(path, i), v))
+            return
+    raise ValueError(
+        f"Checkpoint was expecting {path or where!r} to be a trackable object, got "
+        f"{type(obj).__module__}.{type(obj).__qualname__}: {obj!r:.80}. A Checkpoint holds "
+        "polydist Variables, nested Checkpoints, objects with state_dict()/"
+        "load_state_dict() (torch modules and optimizers), objects with a `variables` "
+        "sequence (layers, metrics), classes registered with "
+        "polydist.train.register_checkpointable, and dicts/lists/tuples of these."
+    )
+
+
+# --------------------------------------------------------------------------- tensors (duck-typed)
+
+
+def _is_tensor(x: object) -> bool:
+    """A framework tensor (torch's): detach(), cpu() and numpy(), not a NumPy array."""
+    return (
+        not isinstance(x, np.ndarray)
+        and callable(getattr(x, "detach", None))
+        and callable(getattr(x, "cpu", None))
+        and callable(getattr(x, "numpy", None))
+    )
+
+
+def _framework(obj: object) -> Any:
+    """The (already imported) framework module of ``obj``'s class: ``torch`` for a
+    ``torch.nn.Module`` subclass; found on the class's MRO, never imported here."""
+    for klass in type(obj).__mro__:
+        module = sys.modules.get(klass.__module__.partition(".")[0])
+        if module is not None and callable(getattr(module, "from_numpy", None)):
+            return module
+    raise TypeError(
+        f"Checkpoint: cannot turn arrays back into tensors for {type(obj).__qualname__}: "
+        "none of its classes comes from a framework with from_numpy (torch); register "
+        "the class with polydist.train.register_checkpointable instead"
+    )
+
+
+def _ml_dtype(name: str) -> np.dtype[Any]:
+    ml = importlib.import_module("ml_dtypes")
+    dtype: np.dtype[Any] = np.dtype(getattr(ml, name))
+    return dtype
+
+
+def _tensor_to_numpy(t: Any) -> np.ndarray:
+    t = t.detach().cpu()
+    try:
+        return np.array(t.numpy(), copy=True)  # a copy: numpy() shares the tensor's memory
+    except (TypeError, RuntimeError):  # bfloat16, float8: NumPy has no such dtype
+        name = str(t.dtype).rpartition(".")[2]
+        dtype = _ml_dtype(name)
+        torch = _framework(t)
+        bits = t.view(getattr(torch, f"int{8 * dtype.itemsize}")).numpy()
+        return np.array(bits, copy=True).view(dtype)
+
+
+def _tensor_from_numpy(framework: Any, arr: np.ndarray) -> Any:
+    a = np.array(arr, copy=True)  # writable and owned: from_numpy shares it
+    if a.dtype.isbuiltin == 2:  # ml_dtypes: through the bits
+        bits = framework.from_numpy(a.view(f"i{a.dtype.itemsize}"))
+        return bits.view(getattr(framework, a.dtype.name))
+    return framework.from_numpy(a)
+
+
+def _tensor_spec(t: Any) -> tuple[tuple[int, ...], str]:
+    return tuple(int(d) for d in t.shape), str(t.dtype).rpartition(".")[2]
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def _encode(value: Any, key: str, arrays: dict[str, np.ndarray], where: str) -> JSONValue:
+    """A state dict as JSON, its tensors and arrays moved to ``arrays`` under paths."""
+    if _is_tensor(value):
+        arrays[key] = _tensor_to_numpy(value)
+        return {"__tensor__": key}
+    if isinstance(value, (np.ndarray, np.generic)):
+        arrays[key] = np.array(value, copy=True)
+        return {"__array__": key}
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, Mapping):
+        items = [
+            [_encode(k, "", {}, where), _encode(v, _join(key, k), arrays, where)]
+            for k, v in value.items()
+        ]
+        doc: dict[str, JSONValue] = {"__dict__": list(items)}
+        if isinstance(value, OrderedDict):
+            doc["ordered"] = True
+        meta = getattr(value, "_metadata", None)  # torch's per-module state-dict versions
+        if isinstance(meta, Mapping):
+            doc["_metadata"] = _encode(meta, "", {}, where)
+        return doc
+    if _is_namedtuple(value):
+        raise TypeError(
+            f"Checkpoint: {where} holds a namedtuple at {key!r}, which a state dict cannot "
+            "round-trip; convert it to a tuple or dict"
+        )
+    if isinstance(value, (list, tuple)):
+        kind = "__list__" if isinstance(value, list) else "__tuple__"
+        return {kind: [_encode(v, _join(key, i), arrays, where) for i, v in enumerate(value)]}
+    raise TypeError(
+        f"Checkpoint: {where}'s state_dict() holds a {type(value).__qualname__} at {key!r} "
+        f"({value!r:.60}), which a checkpoint cannot store: state dicts may hold tensors, "
+        "NumPy arrays, None, bool, int, float, str, and dicts, lists and tuples of them"
+    )
+
+
+def _decode(doc: JSONValue, arrays: Mapping[str, np.ndarray], framework: Any) -> Any:
+    if isinstance(doc, dict):
+        if isinstance(arrays, _NoArrays) and ("__tensor__" in doc or "__array__" in doc):
+            return None  # the structure only
+        if "__tensor__" in doc:
+            return _tensor_from_numpy(framework, arrays[str(doc["__tensor__"])])
+        if "__array__" in doc:
+            return np.array(arrays[str(doc["__array__"])], copy=True)
+        if "__float__" in doc:
+            return float(str(doc["__float__"]))
+        if "__list__" in doc:
+            return [_decode(v, arrays, framework) for v in _as_list(doc["__list__"])]
+        if "__tuple__" in doc:
+            return tuple(_decode(v, arrays, framework) for v in _as_list(doc["__tuple__"]))
+        pairs = [
+            (_decode(k, arrays, framework), _decode(v, arrays, framework))
+            for k, v in (_as_list(p) for p in _as_list(doc["__dict__"]))
+        ]
+        out: dict[Any, Any] = OrderedDict(pairs) if doc.get("ordered") else dict(pairs)
+        if "_metadata" in doc:
+            out._metadata = _decode(doc["_metadata"], arrays, framework)  # type: ignore[attr-defined]
+        return out
+    return doc
+
+
+def _as_list(x: JSONValue) -> list[JSONValue]:
+    if not isinstance(x, list):
+        raise CheckpointError(f"invalid state dict in the checkpoint's manifest: {x!r:.60}")
+    return x
+
+
+def _tensor_paths(doc: JSONValue, out: dict[str, None]) -> dict[str, None]:
+    """The array keys a state dict's JSON refers to, in order."""
+    if isinstance(doc, dict):
+        for tag in ("__tensor__", "__array__"):
+            if tag in doc:
+                out[str(doc[tag])] = None
+                return out
+        for v in doc.values():
+            _tensor_paths(v, out)
+    elif isinstance(doc, list):
+        for v in doc:
+            _tensor_paths(v, out)
+    return out
+
+
+# --------------------------------------------------------------------------- nests (registered)
+
+
+def _nest_leaves(nest: Any, path: str, out: list[tuple[str, Any]]) -> None:
+    if nest is None:
+        return
+    if isinstance(nest, Mapping):
+        for k, v in nest.items():
+            _nest_leaves(v, _join(path, k), out)
+    elif _is_namedtuple(nest):
+        for f in nest._fields:
+            _nest_leaves(getattr(nest, f), _join(path, f), out)
+    elif isinstance(nest, (list, tuple)):
+        for i, v in enumerate(nest):
+            _nest_leaves(v, _join(path, i), out)
+    elif (node := _pytree_node(nest)) is not None:
+        for entry, child in zip(node.entries, node.children):
+            _nest_leaves(child, _join(path, entry), out)
+    else:
+        out.append((path, nest))
+
+
+def _nest_rebuild(nest: Any, path: str, values: Mapping[str, np.ndarray]) -> Any:
+    if nest is None:
+        return None
+    if isinstance(nest, Mapping):
+        return type(nest)((k, _nest_rebuild(v, _join(path, k), values)) for k, v in nest.items())  # type: ignore[call-arg]
+    if _is_namedtuple(nest):
+        return type(nest)(
+            *(_nest_rebuild(getattr(nest, f), _join(path, f), values) for f in nest._fields)
+        )
+    if isinstance(nest, (list, tuple)):
+        return type(nest)(_nest_rebuild(v, _join(path, i), values) for i, v in enumerate(nest))
+    node = _pytree_node(nest)
+    if node is not None:
+        children = [
+            _nest_rebuild(c, _join(path, e), values) for e, c in zip(node.entries, node.children)
+        ]
+        return node.unflatten_func(node.metadata, children)
+    return values[path]
+
+
+def _leaf_to_numpy(leaf: Any) -> np.ndarray:
+    if isinstance(leaf, Variable):
+        return _saved_value(leaf)
+    if _is_tensor(leaf):
+        return _tensor_to_numpy(leaf)
+    return np.array(leaf, copy=True)
+
+
+def _leaf_spec(leaf: Any) -> tuple[tuple[int, ...], str]:
+    if isinstance(leaf, Variable):
+        return tuple(leaf.shape), dtype_name(leaf.dtype)
+    if _is_tensor(leaf):
+        return _tensor_spec(leaf)
+    a = np.asarray(leaf)
+    return a.shape, dtype_name(a.dtype)
+
+
+# --------------------------------------------------------------------------- status
+
+
+class _Status:
+    """What a restore matched, for TF's assertions; warns when dropped with values left."""
+
+    def __init__(self, path: str, unconsumed: list[str], unmatched: list[str], matched: int):
+        self._path = path
+        self._unconsumed = unconsumed
+        self._unmatched = unmatched
+        self._matched = matched
+        self._silenced = False
+
+    def assert_consumed(self) -> _Status:
+        """Raises AssertionError unless every value was restored and every object got one."""
+        if self._unconsumed:
+            raise AssertionError(
+                f"Unresolved object in checkpoint {self._path}: "
+                + ", ".join(self._unconsumed[:20])
+                + (" ..." if len(self._unconsumed) > 20 else "")
+                + " (the checkpoint holds values that no object of this Checkpoint took; "
+                "use restore(...).expect_partial() if that is intended)"
+            )
+        self.assert_existing_objects_matched()
+        self._silenced = True
+        return self
+
+    def assert_existing_objects_matched(self) -> _Status:
+        """Raises AssertionError if an object of this Checkpoint got no value."""
+        if self._unmatched:
+            raise AssertionError(
+                f"Object not assigned a value from checkpoint {self._path}: "
+                + ", ".join(self._unmatched[:20])
+                + (" ..." if len(self._unmatched) > 20 else "")
+            )
+        return self
+
+    def assert_nontrivial_match(self) -> _Status:
+        """Raises AssertionError if nothing but the save counter was restored."""
+        if self._matched == 0:
+            raise AssertionError(
+                f"Nothing except the root object matched a checkpointed value in {self._path}. "
+                "Typically this means that the checkpoint does not match the Python program."
+            )
+        return self
+
+    def expect_partial(self) -> _Status:
+        """Silences the warning about values or objects left unrestored."""
+        self._silenced = True
+        return self
+
+    def run_restore_ops(self, session: Any = None) -> None:
+        """Nothing to run: polydist restores eagerly (TF's graph-mode method)."""
+
+    def initialize_or_restore(self, session: Any = None) -> None:
+        """Nothing to run: polydist restores eagerly (TF's graph-mode method)."""
+
+    def __del__(self) -> None:
+        if self._silenced or not (self._unconsumed or self._unmatched):
+            return
+        parts = []
+        if self._unconsumed:
+            parts.append(
+                "Value in checkpoint could not be found in the restored object: "
+                + ", ".join(self._unconsumed[:10])
+            )
+        if self._unmatched:
+            parts.append("Object not restored from checkpoint: " + ", ".join(self._unmatched[:10]))
+        warnings.warn(
+            f"A checkpoint restore status of {self._path} is being deleted with unrestored "
+            "values. To silence this warning, use status.expect_partial(). " + "; ".join(parts),
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+class CheckpointLoadStatus(_Status):
+    """What ``Checkpoint.restore``/``read`` returns: TF's assertions about the match."""
+
+
+class InitializationOnlyStatus(_Status):
+    """What ``Checkpoint.restore(None)`` returns: nothing was restored."""
+
+    def __init__(self) -> None:
+        super().__init__("(none)", [], [], 0)
+
+    def _nothing(self) -> AssertionError:
+        return AssertionError(
+            "No checkpoint specified (save_path=None); nothing is being restored."
+        )
+
+    def assert_consumed(self) -> _Status:
+        raise self._nothing()
+
+    def assert_existing_objects_matched(self) -> _Status:
+        raise self._nothing()
+
+    def assert_nontrivial_match(self) -> _Status:
+        raise self._nothing()
+
+
+# --------------------------------------------------------------------------- Checkpoint
+
+
+class Checkpoint:
+    """Saves and restores named objects, as ``tf.train.Checkpoint``.
+
+    ``Checkpoint(model=model, optimizer=optimizer)`` (or ``Checkpoint(root, **kwargs)``)
+    holds polydist Variables, nests of them, nested Checkpoints, objects with
+    ``state_dict()``/``load_state_dict()`` (torch modules and optimizers), objects with
+    a ``variables`` sequence (layers, ``polydist.metrics``) and classes registered with
+    :func:`register_checkpointable`. Each value is stored under its path
+    (``optimizer/state/0/exp_avg``). Attributes assigned later (``ckpt.extra = v``) are
+    saved too.
+
+    ``save(file_prefix)`` writes ``<file_prefix>-<save_counter>`` and makes it the
+    latest of its directory; ``restore(path)`` returns a status with TF's
+    ``assert_consumed()``, ``assert_existing_objects_matched()``,
+    ``assert_nontrivial_match()`` and ``expect_partial()``. A status dropped while
+    values or objects were left unrestored warns, unless ``expect_partial()`` was
+    called (TF logs the same at the Checkpoint's deletion).
+
+    Unlike TF, restore is never deferred: every object must exist when ``restore`` is
+    called (TF restores objects created later, such as optimizer slots, on creation).
+    A shape or dtype that differs raises ``CheckpointMismatchError`` and a damaged
+    checkpoint ``CheckpointCorruptError``, both before any value is changed.
+    """
+
+    def __init__(self, root: Any = None, **kwargs: Any) -> None:
+        object.__setattr__(self, "_children", {})
+        object.__setattr__(self, "_save_counter", None)
+        if root is not None:
+            self._children[""] = root
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        if name == _SAVE_COUNTER or hasattr(type(self), name):
+            raise ValueError(
+                f"Checkpoint: {name!r} is the name of a Checkpoint attribute; it cannot "
+                "name a saved object. Choose another keyword"
+            )
+        if value is not None:
+            probe: list[_Slot] = []
+            _walk(value, name, probe, {}, name)  # refuses what a checkpoint cannot hold
+        self._children[name] = value
+
+    def __getattr__(self, name: str) -> Any:
+        children = self.__dict__.get("_children", {})
+        if name in children:
+            return children[name]
+        raise AttributeError(f"'Checkpoint' object has no attribute {name!r}")
+
+    # -- the save counter -----------------------------------------------------------------------
+    @property
+    def save_counter(self) -> Variable:
+        """An integer Variable that starts at zero and is incremented by ``save``."""
+        if self._save_counter is None:
+            dtype = np.int64
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a backend without int64 may warn: int32
+                var = Variable(
+                    np.zeros((), dtype),
+                    name=_SAVE_COUNTER,
+                    trainable=False,
+                    aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+            object.__setattr__(self, "_save_counter", var)
+        counter: Variable = self._save_counter
+        return counter
+
+    def _counter_value(self) -> int:
+        return 0 if self._save_counter is None else int(np.asarray(_saved_value(self.save_counter)))
+
+    # -- what is saved --------------------------------------------------------------------------
+    def _slots(self, *, counter: bool) -> list[_Slot]:
+        out: list[_Slot] = []
+        _walk(self, "", out, {}, "(root)")
+        if counter and self._save_counter is not None:
+            out.append(_VarSlot(_SAVE_COUNTER, self._save_counter))
+        keys: dict[str, str] = {}
+        for slot in out:
+            key = slot.key if isinstance(slot, _VarSlot) else slot.path
+            if key in keys:
+                raise ValueError(
+                    f"Checkpoint: two objects would be stored as {key!r}; give them different names"
+                )
+            keys[key] = key
+        return out
+
+    def _gather(self) -> tuple[dict[str, np.ndarray], dict[str, Any], list[Any]]:
+        arrays: dict[str, np.ndarray] = {}
+        variables: dict[str, JSONValue] = {}
+        objects: dict[str, JSONValue] = {}
+        states: dict[str, JSONValue] = {}
+        nests: dict[str, JSONValue] = {}
+        strategies: list[Any] = []
+        for slot in self._slots(counter=True):
+            if isinstance(slot, _VarSlot) and slot.var is self._save_counter:
+                # int64 whatever the backend holds (JAX without x64: int32), so that it
+                # restores on every backend
+                arrays[slot.key] = np.asarray(self._counter_value(), np.int64)
+                variables[slot.key] = _saved_info(slot.var)
+            elif isinstance(slot, _VarSlot):
+                arrays[slot.key] = _saved_value(slot.var)
+                variables[slot.key] = _saved_info(slot.var)
+                if slot.var.distribute_strategy is not None:
+                    strategies.append(slot.var.distribute_strategy)
+            elif isinstance(slot, _StateSlot):
+                found: dict[str, np.ndarray] = {}
+                where = f"{slot.path or '(root)'} ({type(slot.obj).__qualname__})"
+                states[slot.path] = _encode(slot.obj.state_dict(), slot.path, found, where)
+                for key in found:
+                    objects[key] = {"describe": f"state_dict of {type(slot.obj).__name__}"}
+                arrays.update(found)
+            else:
+                leaves: list[tuple[str, Any]] = []
+                _nest_leaves(slot.reg.to_nest(slot.obj), slot.path, leaves)
+                nests[slot.path] = [k for k, _ in leaves]
+                for key, leaf in leaves:
+                    arrays[key] = _leaf_to_numpy(leaf)
+                    if isinstance(leaf, Variable):
+                        variables[key] = _saved_info(leaf)
+                    else:
+                        objects[key] = {"describe": f"{type(slot.obj).__name__} state"}
+        meta = {
+            _VARIABLES: variables,
+            _OBJECTS: objects,
+            _META: {"format": 1, "state_dicts": states, "nests": nests},
+        }
+        return arrays, meta, strategies
+
+    def _write_to(self, path: Path, step: int, pointer: Mapping[str, Any] | None) -> Path | None:
+        _require_cross_replica_train()
+        arrays, meta, strategies = self._gather()
+        owners = {id(s): s for s in strategies}
+        if _context.has_strategy():
+            s = _context.get_strategy()
+            owners[id(s)] = s
+        if any(not s.extended.should_checkpoint for s in owners.values()):
+            return None  # not the chief: it took part in the reads, the chief writes
+        return write_checkpoint(path, arrays, step=step, metadata=meta, pointer=pointer)
+
+    def write(self, file_prefix: str | os.PathLike[str], options: Any = None) -> str:
+        """Writes a checkpoint at exactly ``file_prefix`` (a directory), without numbering
+        it and without making it the directory's latest. Returns the path."""
+        out = self._write_to(Path(file_prefix), self._counter_value(), None)
+        return os.fspath(file_prefix if out is None else out)
+
+    def save(self, file_prefix: str | os.PathLike[str], options: Any = None) -> str:
+        """Increments ``save_counter`` and writes ``<file_prefix>-<save_counter>``, the
+        latest checkpoint of its directory (``latest_checkpoint(directory)``). Returns
+        its path. On a worker that must not write (not the chief), nothing is written."""
+        prefix = Path(file_prefix)
+        if not prefix.name or os.fspath(file_prefix).endswith(("/", os.sep)):
+            raise ValueError(
+                f"Checkpoint.save: file_prefix {os.fspath(file_prefix)!r} names a directory; "
+                "pass a prefix inside it, such as 'ckpts/ckpt' (saved as ckpts/ckpt-1, ...)"
+            )
+        _require_cross_replica_train()
+        counter = self.save_counter
+        counter.assign(np.asarray(self._counter_value() + 1, dtype=counter.dtype))
+        n = self._counter_value()
+        path = prefix.parent / f"{prefix.name}-{n}"
+        record = {"all": [path.name], "timestamps": [time.time()]}
+        out = self._write_to(path, n, record)
+        return os.fspath(path if out is None else out)
+
+    # -- restoring ------------------------------------------------------------------------------
+    def restore(self, save_path: str | os.PathLike[str] | None, options: Any = None) -> _Status:
+        """Restores every object from ``save_path`` (a path ``save`` returned, or a
+        directory: its latest checkpoint); ``None`` restores nothing. Returns a status
+        for TF's assertions. Every value is checked (names, shapes, dtypes, checksums)
+        before any is changed."""
+        if save_path is None:
+            return InitializationOnlyStatus()
+        self.save_counter  # noqa: B018 -- restore() expects it, as TF's does
+        return self._restore(save_path, counter=True)
+
+    def read(self, save_path: str | os.PathLike[str], options: Any = None) -> _Status:
+        """As ``restore``, but for a checkpoint ``write`` wrote: ``save_counter`` is
+        neither expected nor restored."""
+        return self._restore(save_path, counter=False)
+
+    def _restore(self, save_path: str | os.PathLike[str], *, counter: bool) -> _Status:
+        _require_cross_replica_train()
+        manifest = read_manifest(save_path)
+        slots = self._slots(counter=counter)
+        meta = manifest.metadata.get(_META)
+        found = meta.get("state_dicts") if isinstance(meta, dict) else None
+        states: dict[str, JSONValue] = found if isinstance(found, dict) else {}
+        consumed: dict[str, None] = {}
+        unmatched: list[str] = []
+        problems: list[str] = []
+        plan: list[tuple[_Slot, Any]] = []  # what to read, per slot
+        for slot in slots:
+            if isinstance(slot, _VarSlot):
+                spec = manifest.arrays.get(slot.key)
+                if spec is None:
+                    unmatched.append(slot.key)
+                    continue
+                want = (tuple(slot.var.shape), dtype_name(slot.var.dtype))
+                if slot.var is self._save_counter:
+                    want = ((), "int64")
+                _check(slot.key, want, (spec.shape, spec.dtype.name), problems)
+                consumed[slot.key] = None
+                plan.append((slot, [slot.key]))
+            elif isinstance(slot, _StateSlot):
+                doc = states.get(slot.path)
+                if doc is None:
+                    unmatched.append(slot.path or "(root)")
+                    continue
+                keys = list(_tensor_paths(doc, {}))
+                _check_state(slot, doc, keys, manifest, problems)
+                consumed.update(dict.fromkeys(keys))
+                plan.append((slot, doc))
+            else:
+                leaves: list[tuple[str, Any]] = []
+                nest = slot.reg.to_nest(slot.obj)
+                _nest_leaves(nest, slot.path, leaves)
+                missing = [k for k, _ in leaves if k not in manifest.arrays]
+                if missing:
+                    unmatched.extend(missing)
+                    continue
+                for key, leaf in leaves:
+                    spec = manifest.arrays[key]
+                    _check(key, _leaf_spec(leaf), (spec.shape, spec.dtype.name), problems)
+                consumed.update(dict.fromkeys(k for k, _ in leaves))
+                plan.append((slot, (nest, leaves)))
+        if problems:
+            raise CheckpointMismatchError(
+                f"checkpoint {manifest.path} (step {manifest.step}) does not fit the objects "
+                "to restore:\n" + "\n".join(f"  - {p}" for p in problems) + "\nNothing was "
+                "restored. Restore into objects of the same shapes and dtypes (the model and "
+                "optimizer the checkpoint was saved from)."
+            )
+        stored = read_arrays(manifest.path, list(consumed))
+        # Convert everything before writing anything, so that a failure changes nothing.
+        actions = [
+            (isinstance(slot, _VarSlot), _prepare(slot, what, stored)) for slot, what in plan
+        ]
+        # load_state_dict and from_nest first: they may still raise (a torch optimizer
+        # checks its parameter groups), and then no Variable has been written yet.
+        for _, act in sorted(actions, key=lambda a: a[0]):
+            act()
+        ignored = {_SAVE_COUNTER} if not counter else set()
+        unconsumed = [k for k in manifest.arrays if k not in consumed and k not in ignored]
+        unconsumed += [
+            p or "(root)"
+            for p in states
+            if not any(isinstance(s, _StateSlot) and s.path == p for s in slots)
+            and p not in unconsumed
+        ]
+        matched = sum(1 for k in consumed if k != _SAVE_COUNTER)
+        return CheckpointLoadStatus(str(manifest.path), unconsumed, unmatched, matched)
+
+
+def _require_cross_replica_train() -> None:
+    _require_cross_replica("Checkpoint")
+
+
+def _check(
+    key: str,
+    want: tuple[tuple[int, ...], str],
+    have: tuple[tuple[int, ...], str],
+    problems: list[str],
+) -> None:
+    if (tuple(want[0]), want[1]) != (tuple(have[0]), have[1]):
+        problems.append(
+            f"{key!r} is {want[1]}{list(want[0])} but the checkpoint holds {have[1]}{list(have[0])}"
+        )
+
+
+def _check_state(
+    slot: _StateSlot, doc: JSONValue, keys: list[str], manifest: Manifest, problems: list[str]
+) -> None:
+    """Where the object's current state dict has tensors, the saved one must have the same
+    (load_state_dict may copy some before it raises on the others)."""
+    current: dict[str, np.ndarray] = {}
+    try:
+        now = slot.obj.state_dict()
+        _collect_specs(now, slot.path, current)
+    except TypeError:
+        return
+    missing = [k for k in keys if k not in manifest.arrays]
+    if missing:
+        problems.append(f"{missing[0]!r} is named by the manifest but not stored (damaged?)")
+        return
+    saved_groups = _group_sizes(_decode(doc, _NoArrays(), None))
+    now_groups = _group_sizes(now)
+    if saved_groups is not None and now_groups is not None and saved_groups != now_groups:
+        problems.append(
+            f"{slot.path!r} ({type(slot.obj).__name__}) has parameter groups of sizes "
+            f"{now_groups} but the checkpoint holds {saved_groups}"
+        )
+    if current:
+        extra = [k for k in current if k not in keys]
+        absent = [k for k in keys if k not in current]
+        for k in extra[:5]:
+            problems.append(f"{k!r} ({type(slot.obj).__qualname__}) is not in the checkpoint")
+        for k in absent[:5]:
+            problems.append(f"{k!r} is in the checkpoint but not in {type(slot.obj).__qualname__}")
+    for k in keys:
+        if k in current:
+            spec = manifest.arrays[k]
+            _check(k, current[k], (spec.shape, spec.dtype.name), problems)  # type: ignore[arg-type]
+
+
+class _NoArrays(dict[str, np.ndarray]):
+    """Decodes a state dict's structure without its arrays."""
+
+
+def _group_sizes(state: Any) -> list[int] | None:
+    """The sizes of an optimizer state dict's ``param_groups`` (torch checks them in
+    ``load_state_dict``, but only after the model before it in a Checkpoint loaded)."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list):
+        return None
+    sizes = [len(g["params"]) for g in groups if isinstance(g, Mapping) and "params" in g]
+    return sizes if len(sizes) == len(groups) else None
+
+
+def _collect_specs(value: Any, key: str, out: dict[str, Any]) -> None:
+    if _is_tensor(value):
+        out[key] = _tensor_spec(value)
+    elif isinstance(value, (np.ndarray, np.generic)):
+        out[key] = (np.shape(value), dtype_name(np.asarray(value).dtype))
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _collect_specs(v, _join(key, k), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _collect_specs(v, _join(key, i), out)
+
+
+def _prepare(slot: _Slot, what: Any, stored: Mapping[str, np.ndarray]) -> Callable[[], None]:
+    """Converts the restored values of ``slot``; returns what writes them."""
+    if isinstance(slot, _VarSlot):
+        value = stored[slot.key]
+        if slot.key == _SAVE_COUNTER and slot.var.name.startswith(_SAVE_COUNTER):
+            value = value.astype(dtype_name(slot.var.dtype))  # int64 on disk, see _gather
+        return _assign_later(slot.var, value)
+    if isinstance(slot, _StateSlot):
+        framework = _framework(slot.obj) if _tensor_paths_in(what) else None
+        state = _decode(what, stored, framework)
+        return lambda: slot.obj.load_state_dict(state)
+    nest, leaves = what
+    if slot.reg.from_nest is None:
+        bad = [k for k, leaf in leaves if not isinstance(leaf, Variable)]
+        if bad:
+            raise TypeError(
+                f"Checkpoint: {type(slot.obj).__qualname__} was registered without from_nest, "
+                f"so every leaf of to_nest must be a polydist.Variable; {bad[0]!r} is not. "
+                "Register it with a from_nest(obj, nest) that writes the values back"
+            )
+        writes = [_assign_later(leaf, stored[k]) for k, leaf in leaves]
+
+        def write_all() -> None:
+            for w in writes:
+                w()
+
+        return write_all
+    rebuilt = _nest_rebuild(nest, slot.path, {k: stored[k] for k, _ in leaves})
+    from_nest = slot.reg.from_nest
+    return lambda: from_nest(slot.obj, rebuilt)
+
+
+def _tensor_paths_in(doc: JSONValue) -> bool:
+    return _has_tag(doc, "__tensor__")
+
+
+def _has_tag(doc: JSONValue, tag: str) -> bool:
+    if isinstance(doc, dict):
+        return tag in doc or any(_has_tag(v, tag) for v in doc.values())
+    if isinstance(doc, list):
+        return any(_has_tag(v, tag) for v in doc)
+    return False
+
+
+def _assign_later(var: Variable, value: np.ndarray) -> Callable[[], None]:
+    copies = _restored_copies(var, value)
+
+    def write() -> None:
+        for component, array in zip(_components(var), copies):
+            component._write_storage(array)
+
+    return write
+
+
+# --------------------------------------------------------------------------- manager
+
+
+def latest_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], latest_filename: Any = None
+) -> str | None:
+    """The path of the latest checkpoint in ``checkpoint_dir`` (as ``save`` returned it),
+    or None if there is none (TF's ``tf.train.latest_checkpoint``)."""
+    try:
+        path = _latest_path(checkpoint_dir)
+    except CheckpointNotFoundError as e:
+        warnings.warn(f"latest_checkpoint: {e}", UserWarning, stacklevel=2)
+        return None
+    return None if path is None else os.fspath(path)
+
+
+class CheckpointManager:
+    """Keeps the newest ``max_to_keep`` checkpoints of a ``Checkpoint`` in ``directory``
+    (TF's ``tf.train.CheckpointManager``).
+
+    Args:
+        checkpoint: the ``Checkpoint`` to save and restore.
+        directory: where checkpoints go (``<directory>/<checkpoint_name>-<n>``).
+        max_to_keep: how many to keep (the newest); ``None`` keeps all.
+        keep_checkpoint_every_n_hours: also keep one checkpoint every this many hours.
+        checkpoint_name: the checkpoints' name prefix.
+        step_counter: a Variable read by ``save`` when ``checkpoint_interval`` is set.
+        checkpoint_interval: save only when ``step_counter`` advanced by this much.
+        init_fn: called by ``restore_or_initialize`` when there is no checkpoint.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None,
+        keep_checkpoint_every_n_hours: float | None = None,
+        checkpoint_name: str = "ckpt",
+        step_counter: Any = None,
+        checkpoint_interval: int | None = None,
+        init_fn: Callable[[], Any] | None = None,
+    ) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(
+                f"CheckpointManager: checkpoint must be a polydist.train.Checkpoint, got "
+                f"{type(checkpoint).__qualname__}; wrap the objects: Checkpoint(model=model)"
+            )
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or max_to_keep <= 0):
+            raise ValueError(
+                f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep!r}."
+            )
+        if checkpoint_interval is not None and step_counter is None:
+            raise ValueError(
+                "`step_counter` should be passed if `checkpoint_interval` is not None."
+            )
+        if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
+            raise ValueError(
+                f"checkpoint_name must be a plain name such as 'ckpt', got {checkpoint_name!r}"
+            )
+        self._checkpoint = checkpoint
+        self._directory = os.fspath(directory)
+        self._max_to_keep = max_to_keep
+        self._keep_hours = keep_checkpoint_every_n_hours
+        self._name = checkpoint_name
+        self._step_counter = step_counter
+        self._checkpoint_interval = checkpoint_interval
+        self._init_fn = init_fn
+        self._last_checkpoint_step: int | None = None
+        self._maybe_delete: OrderedDict[str, float] = OrderedDict()
+        now = time.time()
+        self._last_preserved = now
+        self._latest: str | None = None
+        pointer = read_pointer(self._directory)
+        if pointer is not None:
+            root = Path(self._directory)
+            latest = pointer.get("latest")
+            if isinstance(latest, str) and (root / latest / "manifest.json").is_file():
+                self._latest = os.fspath(root / latest)
+            names = pointer.get("all")
+            stamps = pointer.get("timestamps")
+            preserved = pointer.get("last_preserved_timestamp")
+            # TF's CheckpointState: a state without one reads as 0 (every one managed)
+            self._last_preserved = float(preserved) if isinstance(preserved, (int, float)) else 0.0
+            if isinstance(names, list):
+                if not isinstance(stamps, list) or len(stamps) != len(names):
+                    stamps = [self._last_preserved] * len(names)
+                for n, t in zip(names, stamps):
+                    if not isinstance(n, str) or not isinstance(t, (int, float)):
+                        continue
+                    if not (root / n / "manifest.json").is_file():
+                        continue
+                    t = min(float(t), now)
+                    if t > self._last_preserved:
+                        self._maybe_delete[os.fspath(root / n)] = t
+
+    @property
+    def directory(self) -> str:
+        return self._directory
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._checkpoint
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        return self._checkpoint_interval
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The path of the newest checkpoint, or None."""
+        return self._latest
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The managed checkpoints, oldest first (those kept by
+        ``keep_checkpoint_every_n_hours`` are no longer managed)."""
+        return list(self._maybe_delete)
+
+    def _record_state(self) -> dict[str, Any]:
+        return {
+            "all": [Path(p).name for p in self._maybe_delete],
+            "timestamps": list(self._maybe_delete.values()),
+            "last_preserved_timestamp": self._last_preserved,
+        }
+
+    def save(
+        self, checkpoint_number: Any = None, check_interval: bool = True, options: Any = None
+    ) -> str | None:
+        """Saves a checkpoint numbered ``checkpoint_number`` (default the incremented
+        ``save_counter``) and deletes the oldest beyond ``max_to_keep``. Returns its path,
+        or None when ``checkpoint_interval`` says it is not yet time."""
+        if self._checkpoint_interval is not None:
+            current = int(np.asarray(_value(self._step_counter)))
+            if self._last_checkpoint_step is not None:
+                if current == self._last_checkpoint_step:
+                    return None
+                if (
+                    check_interval
+                    and current < self._last_checkpoint_step + self._checkpoint_interval
+                ):
+                    return None
+            self._last_checkpoint_step = current
+        counter = self._checkpoint.save_counter
+        counter.assign(np.asarray(self._checkpoint._counter_value() + 1, dtype=counter.dtype))
+        number = (
+            self._checkpoint._counter_value()
+            if checkpoint_number is None
+            else int(np.asarray(_value(checkpoint_number)))
+        )
+        path = os.fspath(Path(self._directory) / f"{self._name}-{number}")
+        self._maybe_delete.pop(path, None)
+        self._maybe_delete[path] = time.time()
+        out = self._checkpoint._write_to(Path(path), number, self._record_state())
+        self._latest = path
+        if out is None:
+            return path  # not the chief: nothing to delete either
+        self._sweep()
+        from polydist.checkpoint._io import _write_pointer  # the same pointer, pruned
+
+        _write_pointer(Path(self._directory), Path(path).name, self._record_state())
+        return path
+
+    def _sweep(self) -> None:
+        if not self._max_to_keep:
+            return
+        while len(self._maybe_delete) > self._max_to_keep:
+            path, stamp = self._maybe_delete.popitem(last=False)
+            if self._keep_hours and stamp - self._keep_hours * 3600.0 >= self._last_preserved:
+                self._last_preserved = stamp
+                continue
+            delete_checkpoint(path)
+
+    def restore_or_initialize(self) -> str | None:
+        """Restores the latest checkpoint and returns its path; without one, calls
+        ``init_fn`` (if given) and returns None."""
+        if self._latest is not None:
+            self._checkpoint.restore(self._latest)
+            if self._checkpoint_interval is not None:
+                self._last_checkpoint_step = int(np.asarray(_value(self._step_counter)))
+            return self._latest
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
+
+
+def _value(x: Any) -> Any:
+    if isinstance(x, Variable):
+        return _saved_value(x)
+    return x
