@@ -478,3 +478,42 @@ def test_train_checkpoint_restores_model_and_optimizer_into_fresh_ones(tmp_path:
         plain_opt.state_dict()["state"][0]["exp_avg"],
         two_opt.replicas[1].state_dict()["state"][0]["exp_avg"],
     )
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+        lambda ps: torch.optim.Adamax(ps, lr=0.01),
+        lambda ps: torch.optim.NAdam(ps, lr=0.01),
+        lambda ps: torch.optim.RAdam(ps, lr=0.01),
+        lambda ps: torch.optim.Adadelta(ps),
+        lambda ps: torch.optim.ASGD(ps, lr=0.01),
+        lambda ps: torch.optim.Rprop(ps, lr=0.01),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, nesterov=True, momentum=0.9, foreach=False),
+        lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, foreach=True),
+    ],
+    ids=lambda f: "opt",
+)
+def test_every_torch_optimizer_keeps_replicas_identical(make_opt: Any) -> None:
+    strategy = cpu_strategy(3)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+    opt = polydist_torch.distribute_optimizer(make_opt(model.parameters()))
+    assert all(type(r) is type(opt.optimizer) for r in opt.replicas)
+    assert all(r.defaults == opt.defaults for r in opt.replicas)
+    step = distributed_step(model, opt)
+    for x, y in list(strategy.experimental_distribute_dataset(make_loader()))[:3]:
+        strategy.run(step, args=(x, y))
+    pd.debugging.check_replicas_identical(strategy)
+    optimizer_states_identical(opt)
+    reference = make_model()
+    ref_opt = make_opt(reference.parameters())
+    for x, y in list(make_loader())[:3]:
+        (per_example_loss(reference, x, y).sum() / x.shape[0]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)

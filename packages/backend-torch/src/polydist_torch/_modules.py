@@ -22,6 +22,7 @@ the copies stay bitwise identical.
 from __future__ import annotations
 
 import copy
+import inspect
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -459,6 +460,19 @@ def distribute_module(
     return DistributedModule(module, chosen, name)
 
 
+def _init_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor takes (AdamW's defaults hold
+    ``decoupled_weight_decay``, which only Adam's constructor takes); every param group
+    carries all of them anyway."""
+    try:
+        parameters = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return dict(optimizer.defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in parameters}
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """One logical ``torch.optim`` optimizer over a :class:`DistributedModule`'s replicas.
 
@@ -514,11 +528,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             lists = [list(rm.parameters()) for rm in m.replicas]
             for k, p in enumerate(lists[0]):
                 copies[p] = [ps[k] for ps in lists]
-        if optimizer.state:
-            raise ValueError(
-                f"{what}: the optimizer has already stepped (it has state); wrap it before "
-                "the first step, or load its state afterwards with load_state_dict."
-            )
         replicas = [optimizer]
         for r in range(1, len(modules[0].replicas)):
             groups = []
@@ -527,12 +536,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group["params"] = [copies[p][r] for p in g["params"]]
                 groups.append(group)
             try:
-                replicas.append(type(optimizer)(groups, **optimizer.defaults))
+                clone = type(optimizer)(groups, **_init_arguments(optimizer))
             except TypeError as e:
                 raise TypeError(
                     f"{what}: cannot build a copy of {type(optimizer).__name__} per replica "
                     f"as type(optimizer)(param_groups, **optimizer.defaults): {e}"
                 ) from e
+            clone.defaults = dict(optimizer.defaults)
+            replicas.append(clone)
+        if optimizer.state:
+            # State made by the constructor (Adagrad's sums) or by earlier steps: the same
+            # on every copy, on its replica's device.
+            for opt in replicas[1:]:
+                opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         self._strategy = strategy
         self._replicas = tuple(replicas)
         self._reduced: dict[int, bool] = {}
@@ -587,7 +603,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._replicas
 
     def __repr__(self) -> str:
-        return f"DistributedOptimizer({self._replicas[0]!r}, replicas={len(self._replicas)})"
+        replicas = self.__dict__.get("_replicas", ())
+        inner = repr(replicas[0]) if replicas else "(not built)"
+        return f"DistributedOptimizer({inner}, replicas={len(replicas)})"
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -717,7 +735,9 @@ def distribute_optimizer(optimizer: torch.optim.Optimizer) -> DistributedOptimiz
         opt = polydist_torch.distribute_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
 
     The library makes one copy per replica (``type(optimizer)(param_groups,
-    **optimizer.defaults)``, which every ``torch.optim`` optimizer accepts). In
+    **defaults)``, with the defaults its constructor takes, as every
+    ``torch.optim`` optimizer allows) and gives it the optimizer's state, if it
+    has any (Adagrad's sums, or earlier steps). In
     ``strategy.run``, ``opt.step()`` sums the gradients across replicas and
     then steps the replica's copy: so scale the loss as TF does, by the
     *global* batch size (``polydist.nn.compute_average_loss``), not with a
