@@ -24,7 +24,9 @@ STEPS = 3
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)  # every worker alike: initial values are not broadcast
+    # Each worker its own seed: the variables start from worker 0's values (TF's
+    # broadcast), which the single-device reference (no RANK) builds too.
+    torch.manual_seed(int(os.environ.get("RANK", "0")))
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
