@@ -111,10 +111,33 @@ def compiled_program(
     return out
 
 
+#: ``programs --case``: one step function, whose closure differs between the workers.
+PROGRAM_CASES = ("shape", "reduce_op", "op")
+
+
+def programs(strategy: pd.Strategy, case: str, rank: int) -> dict[str, list[np.ndarray]]:
+    """Two compiled steps of the same function (one name, one module, no inputs) whose
+    collectives come from a closure that differs between the workers: other shapes, SUM
+    against MEAN, all_reduce against all_gather. Results: ``out`` of each step."""
+    n = 3 if rank == 0 or case != "shape" else 4
+    op = pd.ReduceOp.MEAN if rank == 1 and case == "reduce_op" else pd.ReduceOp.SUM
+    gather = rank == 1 and case == "op"
+
+    def step() -> Any:
+        ctx = _ctx()
+        value = np.arange(1, n + 1, dtype=np.float32) * (ctx.replica_id_in_sync_group + 1)
+        if gather:
+            return ctx.all_gather(value, axis=0)
+        return ctx.all_reduce(op, value)
+
+    return {f"out_{s}": local_components(strategy, strategy.run(step)) for s in range(2)}
+
+
 def _compiled_main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("mode", choices=["compiled"])
+    parser.add_argument("mode", choices=["compiled", "programs"])
+    parser.add_argument("--case", choices=PROGRAM_CASES)
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--stall-worker-1", type=float, default=0.0)
@@ -122,6 +145,9 @@ def _compiled_main() -> None:
     out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
     try:
         strategy = jax_strategy(args)
+        if args.mode == "programs":
+            save(out / f"programs{rank}.npz", programs(strategy, args.case, rank))
+            return
         stall = args.stall_worker_1 if rank == 1 else 0.0
         results = compiled_program(strategy, args.steps, stall)
         backend: Any = strategy.extended.backend
@@ -136,7 +162,7 @@ def _compiled_main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[2:3] == ["compiled"]:
+    if sys.argv[2:3] in (["compiled"], ["programs"]):
         _compiled_main()
     else:
         main(jax_strategy)

@@ -110,7 +110,9 @@ class TestPlacement:
 
     def test_namespace_and_to_numpy(self) -> None:
         backend = JaxBackend()
-        assert backend.array_namespace() is jnp
+        xp = backend.array_namespace()
+        assert xp.ones is jnp.ones and xp.float32 is jnp.float32  # jax.numpy, plus:
+        assert callable(xp.exact_divide)
         out = backend.to_numpy(jnp.arange(3))
         assert isinstance(out, np.ndarray)
         np.testing.assert_array_equal(out, [0, 1, 2])

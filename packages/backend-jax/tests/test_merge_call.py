@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -165,3 +166,56 @@ def test_lower_refuses_uneven_inputs(jax_backend: JaxBackend) -> None:
     x = pd.PerReplica([jnp.ones(3), jnp.ones(2)])
     with pytest.raises(ValueError, match=r"no single compiled program .*float32\[2\]"):
         jax_backend.lower(strategy, lambda x: x, (x,))
+
+
+# --------------------------------------------------------------------------- eager runs
+# merge_fn's strategy.reduce puts its result on the host device; each replica must get
+# it on its own device (TF copies across devices), or jnp ops with the replica's own
+# arrays fail ("incompatible devices"). Eager: JaxBackend(jit=False), or a compiled
+# run's fallback for uneven inputs.
+
+TOTALS = [np.arange(1.0, 4.0, dtype=np.float32) * (r + 1) for r in range(3)]
+
+
+@pytest.mark.parametrize("devices", [[0, 1, 2], [1, 3, 5]], ids=["host-is-replica-0", "off-host"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "uneven-fallback"])
+def test_reduce_in_merge_fn_reaches_each_replica_on_its_device(
+    devices: list[int], jit: bool
+) -> None:
+    backend = JaxBackend(jit=jit)
+    strategy = pd.MirroredStrategy([f"/cpu:{d}" for d in devices], backend=backend)
+    sim = pd.MirroredStrategy(3, backend=SimBackend("sequential"))
+    # With jit=True the last replica's extra row makes the inputs uneven: eager fallback.
+    rows = [t if r < 2 or not jit else np.concatenate([t, t[:1]]) for r, t in enumerate(TOTALS)]
+
+    def step(x: Any) -> Any:
+        total = ctx().merge_call(lambda s, v: s.reduce("SUM", v, axis=None), args=(x[:3],))
+        return total + x[:3]
+
+    x = pd.PerReplica([jax.device_put(r, jax.devices()[d]) for r, d in zip(rows, devices)])
+    got = strategy.run(step, (x,))
+    want = sim.run(step, (pd.PerReplica(rows),))
+    assert backend.eager_fallback_count == (1 if jit else 0)
+    for r, d in enumerate(devices):
+        value = got.values[r]
+        assert value.devices() == {jax.devices()[d]}
+        np.testing.assert_array_equal(np.asarray(value), want.values[r])
+    np.testing.assert_array_equal(np.asarray(got.values[2]), sum(TOTALS) + TOTALS[2])
+
+
+def test_eager_merge_fn_result_returned_whole_stays_one_value() -> None:
+    """Every replica returning merge_fn's one array regroups to that array (as on the sim),
+    though each replica got its own copy on its device."""
+    strategy = pd.MirroredStrategy(["/cpu:1", "/cpu:2"], backend=JaxBackend(jit=False))
+    seen: list[Any] = []
+
+    def step(x: Any) -> Any:
+        total = ctx().merge_call(lambda s, v: s.reduce("SUM", v, axis=None), args=(x,))
+        seen.append(total.devices())
+        return total
+
+    x = pd.PerReplica([jax.device_put(TOTALS[r], jax.devices()[r + 1]) for r in range(2)])
+    got = strategy.run(step, (x,))
+    assert not isinstance(got, pd.DistributedValues)
+    np.testing.assert_array_equal(np.asarray(got), TOTALS[0] + TOTALS[1])
+    assert sorted(seen, key=str) == [{jax.devices()[1]}, {jax.devices()[2]}]

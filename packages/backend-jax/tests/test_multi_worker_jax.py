@@ -90,13 +90,37 @@ def test_a_step_compiles_once_and_workers_with_other_shapes_fall_back_together(
 ) -> None:
     jit, per_worker = jax_compiled
     for r in per_worker:
-        # mw_program.STEPS runs of one step function: one trace on each worker, and one
-        # of the function that creates a variable. The gather whose shapes are even on
-        # each worker but differ between them ran eagerly on both (its result equals
-        # the sim's above).
-        assert int(r["compile_count"][0]) == (2 if jit else 0)
+        # mw_program.STEPS runs of one step function: one trace on each worker, one of
+        # the function that creates a variable, and one of the gather whose shapes are
+        # even on each worker but differ between them: traced for its digest (the
+        # workers agree on the traced program), which differs, so it ran eagerly on
+        # both (its result equals the sim's above).
+        assert int(r["compile_count"][0]) == (3 if jit else 0)
         assert int(r["eager_fallback_count"][0]) == (1 if jit else 0)
     assert [int(x) for x in mpt.as_global(per_worker, "replica_id_0")] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("case", mw_program.PROGRAM_CASES)
+def test_workers_whose_closures_trace_other_collectives_raise_mismatch(
+    tmp_path: Path, case: str
+) -> None:
+    """The agreement's digest describes the traced program (its collectives, their shapes,
+    dtypes and reduce ops), not only the function's name and inputs: workers whose step
+    closes over other values do not run two different programs (wrong values on worker 0,
+    a timeout blaming it on worker 1, or no error at all for SUM against MEAN). They fall
+    back to eager runs together, whose collective checks raise CollectiveMismatchError."""
+    codes = ENGINE.run(tmp_path, "programs", "--case", case, "--timeout", "30", timeout=90)
+    assert codes == [17, 17], [mpt.stderr(tmp_path, w)[-2000:] for w in range(mpt.WORKERS)]
+    for w in range(mpt.WORKERS):
+        raised = mpt.error(tmp_path, w)
+        assert raised["type"] == "CollectiveMismatchError", raised
+    want = {
+        "shape": ("all_reduce(SUM) of float32[3]", "all_reduce(SUM) of float32[4]"),
+        "reduce_op": ("all_reduce(SUM) of float32[3]", "all_reduce(MEAN) of float32[3]"),
+        "op": ("all_reduce(SUM) of float32[3]", "all_gather(axis=0) of float32[*]"),
+    }[case]
+    message = mpt.error(tmp_path, 0)["message"]
+    assert all(w in message for w in want), message
 
 
 # --------------------------------------------------------------------------- faults
@@ -384,3 +408,85 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "multi_worker_train
 @pytest.mark.skipif(not EXAMPLE.exists(), reason="runs from a checkout of the repository")
 def test_the_multi_worker_example_trains_to_the_sims_weights_and_resumes(tmp_path: Path) -> None:
     mpt.check_multi_worker_example(ENGINE, EXAMPLE, "jax", tmp_path)
+
+
+# --------------------------------------------------------------------------- the coordinator
+
+# Worker 0 of a one-process cluster: which addresses listen on the coordinator's port.
+_BIND_CHILD = """
+import ipaddress, json, socket, sys
+import polydist_jax
+
+with socket.socket() as s:  # a free port
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+polydist_jax.initialize_multi_worker(f"127.0.0.1:{port}", 1, 0, timeout_seconds=30)
+listening = []
+for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    with open(table) as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                # /proc writes each 32-bit word of the address in host (little-endian) order.
+                words = [address[i : i + 8] for i in range(0, len(address), 8)]
+                raw = b"".join(bytes.fromhex(word)[::-1] for word in words)
+                ip = ipaddress.ip_address(raw)
+                listening.append(str(getattr(ip, "ipv4_mapped", None) or ip))
+print(json.dumps(listening))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads Linux's /proc/net")
+def test_the_coordinator_listens_only_on_the_address_the_cluster_gives() -> None:
+    """jax.distributed's default binds [::]:PORT, every interface; polydist binds the
+    coordinator address itself (127.0.0.1 here, as under `polydist launch`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ENGINE.unset}
+    env.pop("JAX_COORDINATOR_BIND_ADDRESS", None)
+    child = subprocess.run(
+        [sys.executable, "-c", _BIND_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    listening = json.loads(child.stdout.strip().splitlines()[-1])
+    assert listening == ["127.0.0.1"], listening
+
+
+def test_the_bind_address_is_explicit_else_jax_s_variable_else_the_coordinator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from polydist_jax._multi_worker import _bind_address
+
+    monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+    assert _bind_address("10.0.0.5:1234") == "10.0.0.5:1234"
+    assert _bind_address("10.0.0.5:1234", "[::]:1234") == "[::]:1234"
+    monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:1234")
+    assert _bind_address("10.0.0.5:1234") == "0.0.0.0:1234"
+    with pytest.raises(ValueError, match=r"'host0' is not HOST:PORT.*\[::\]:1234"):
+        _bind_address("10.0.0.5:1234", "host0")
+
+
+def test_a_host_name_that_is_loopback_only_here_binds_every_interface(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TF_CONFIG's "host0:1234" on a host whose /etc/hosts maps its own name to 127.0.1.1:
+    the other hosts reach it by its network address, so loopback would lock them out."""
+    import socket
+
+    from polydist_jax._multi_worker import _bind_address
+
+    resolved = {"host0": "127.0.1.1", "host1": "10.0.0.6", "localhost": "127.0.0.1"}
+
+    def getaddrinfo(host: str, port: object) -> list[tuple[object, ...]]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (resolved[host], 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+    assert _bind_address("host0:1234") == "[::]:1234"
+    assert _bind_address("host1:1234") == "host1:1234"
+    assert _bind_address("localhost:1234") == "localhost:1234"
+    assert _bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
+    assert _bind_address("host0:1234", "127.0.1.1:1234") == "127.0.1.1:1234"

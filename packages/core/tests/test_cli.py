@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import json
+import os
 import sys
 import textwrap
 import types
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from polydist import _backend
+from polydist import _cli as cli_module
 from polydist._cli import bench_rows, find_benchmarks_dir, main
 
 SIM_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -82,7 +84,8 @@ def test_doctor_lists_sim_and_its_devices(capsys: pytest.CaptureFixture[str]) ->
     assert out.startswith("polydist 0.")
     assert f"python    {sys.version_info.major}.{sys.version_info.minor}" in out
     assert f"numpy     {importlib.metadata.version('numpy')}" in out
-    assert f"polydist-sim {importlib.metadata.version('polydist-sim')}  ok" in out
+    # The sim ships with core: its entry point is core's own.
+    assert f"sim    polydist {importlib.metadata.version('polydist')} (built in)  ok" in out
     assert f"devices (1): {SIM_CPU}" in out
     assert "simulates up to 1024 GPUs" in out
     for name, package in _backend.KNOWN_PACKAGES.items():
@@ -101,7 +104,7 @@ def test_doctor_reports_a_backend_that_fails_to_load(
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "FAILED to load: ModuleNotFoundError: No module named 'polydist_no_such_module'" in out
-    assert "polydist-sim" in out  # the healthy backend is still reported
+    assert "sim    polydist " in out  # the healthy backend is still reported
 
 
 def test_doctor_lists_a_backend_without_its_optional_dependency_as_not_usable(
@@ -414,12 +417,87 @@ def test_bench_errors(
     assert "bad.json" in capsys.readouterr().err
 
 
-def test_find_benchmarks_dir_from_the_working_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_bench_never_runs_scripts_found_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _results_dir(tmp_path)
+    # A benchmarks/ folder in the working directory (or a parent) is someone else's code:
+    # `polydist bench` without --dir runs only the checkout polydist is installed from.
+    planted = tmp_path / "benchmarks"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    (planted / "bench_planted.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n", encoding="utf-8"
+    )
     sub = tmp_path / "a" / "b"
     sub.mkdir(parents=True)
     monkeypatch.chdir(sub)
-    assert find_benchmarks_dir() == (tmp_path / "benchmarks").resolve()
+    found = find_benchmarks_dir()
+    assert found != planted.resolve()
+    checkout = Path(cli_module.__file__).resolve().parents[4]
+    assert found == checkout / "benchmarks"  # this editable checkout's own benchmarks
+    assert main(["bench", "--only", "planted"]) == 2
+    assert "no benchmark named 'planted'" in capsys.readouterr().err
+    assert not marker.exists()
     assert find_benchmarks_dir(tmp_path / "nowhere") is None
+
+
+def test_bench_without_a_checkout_asks_for_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As if installed from a wheel: site-packages/polydist/_cli.py has no checkout above it.
+    fake = tmp_path / "site-packages" / "polydist" / "_cli.py"
+    monkeypatch.setattr(cli_module, "__file__", str(fake))
+    assert find_benchmarks_dir() is None
+    assert main(["bench", "--no-run"]) == 2
+    assert "--dir PATH" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- demo on JAX
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (None, "--xla_force_host_platform_device_count=4"),
+        (
+            "--xla_cpu_enable_fast_math=false",
+            "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=4",
+        ),
+        # The user's own count wins.
+        ("--xla_force_host_platform_device_count=2", "--xla_force_host_platform_device_count=2"),
+    ],
+)
+def test_demo_gives_jax_as_many_cpu_devices_as_replicas(
+    monkeypatch: pytest.MonkeyPatch, before: str | None, after: str
+) -> None:
+    from polydist._cli import _host_devices_for_jax
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("POLYDIST_BACKEND", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", before or "")  # restored after the test
+    if before is None:
+        monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    _host_devices_for_jax("jax", 4)
+    assert os.environ["XLA_FLAGS"] == after
+
+
+def test_demo_leaves_xla_flags_alone_where_they_do_not_apply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from polydist._cli import _host_devices_for_jax
+
+    monkeypatch.setenv("XLA_FLAGS", "")  # restored after the test
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.delenv("POLYDIST_BACKEND", raising=False)
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    _host_devices_for_jax("sim", 4)  # another backend
+    _host_devices_for_jax(None, 4)  # the default (sim)
+    _host_devices_for_jax("jax", 1)  # one replica needs no flag
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # no CPU platform
+    _host_devices_for_jax("jax", 4)
+    assert "XLA_FLAGS" not in os.environ
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    monkeypatch.setenv("POLYDIST_BACKEND", "jax")  # the backend from the environment
+    _host_devices_for_jax(None, 3)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"

@@ -21,7 +21,7 @@ from polydist.cluster_resolver import (
     TPUClusterResolver,
     set_accelerator_device_lister,
 )
-from polydist.data import AutoShardPolicy, AutoShardWarning, Dataset, InputContext, Options
+from polydist.data import AutoShardPolicy, Dataset, InputContext, Options
 from polydist.errors import OutOfRangeError
 from polydist_sim import SimBackend
 
@@ -151,8 +151,7 @@ class TestMirroredStrategyV1:
         dataset = s.experimental_make_numpy_dataset(numpy_input)
         assert isinstance(dataset, Dataset)
         assert [float(x) for x in dataset.as_numpy_iterator()] == [1.0] * 10
-        with pytest.warns(AutoShardWarning, match="TensorSliceDataset"):  # TF logs it too
-            dist_dataset = s.experimental_distribute_dataset(dataset.batch(4, drop_remainder=True))
+        dist_dataset = s.experimental_distribute_dataset(dataset.batch(4, drop_remainder=True))
         assert [floats(x) for x in dist_dataset] == [[[1.0, 1.0], [1.0, 1.0]]] * 2
         # ``session`` is a TF 1 graph-mode argument: accepted, unused.
         with_session = s.experimental_make_numpy_dataset({"x": np.arange(3)}, session=object())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import io
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist.backend import EagerReplicaRunner, busy_workers
+from polydist.backend import EagerReplicaRunner, busy_workers, timeout_seconds_from_env
 from polydist_sim import SimBackend
 
 
@@ -107,3 +109,61 @@ def test_a_lone_replica_s_error_reaches_the_caller() -> None:
     with pytest.raises(KeyError, match="from the replica"):
         strategy.run(fn)
     assert float(strategy.run(lambda: _ctx().all_reduce("SUM", np.float32(1.5)))) == 1.5
+
+
+@pytest.mark.parametrize("text", ["abc", "-5", "0", "nan", "inf", "1e999"])
+def test_a_bad_timeout_variable_is_named_in_the_error(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", text)
+    message = rf"\$POLYDIST_TIMEOUT_SECONDS must be a positive number of seconds .*got '{text}'"
+    with pytest.raises(ValueError, match=message):
+        timeout_seconds_from_env()
+    # A run reads it (thread mode used to accept -5, and 'abc' failed without its name).
+    strategy = pd.MirroredStrategy(2, backend=SimBackend(replica_mode="thread"))
+    with pytest.raises(ValueError, match=message):
+        strategy.run(lambda: 1.0)
+
+
+def test_the_timeout_variable_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", " 2.5 ")
+    assert timeout_seconds_from_env() == 2.5
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", "")
+    assert timeout_seconds_from_env() == 300.0
+    monkeypatch.delenv("POLYDIST_TIMEOUT_SECONDS")
+    assert timeout_seconds_from_env(60.0) == 60.0
+
+
+def test_a_greenlet_replica_blocked_outside_polydist_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Greenlet replicas share one thread: replica 0 waiting for an Event blocks replica 1
+    # too, and nothing on that thread can end the wait. The watchdog reports it on stderr;
+    # here the report itself sets the Event, so the test ends (the 30 s bound: without
+    # the watchdog, nobody sets it).
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", "0.2")
+    reported = threading.Event()
+
+    class Stderr(io.StringIO):
+        def write(self, text: str) -> int:
+            written = super().write(text)
+            reported.set()
+            return written
+
+    stderr = Stderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    strategy = pd.MirroredStrategy(2, backend=SimBackend())
+
+    def step() -> Any:
+        ctx = _ctx()
+        if int(ctx.replica_id_in_sync_group) == 0:
+            reported.wait(timeout=30)
+        return ctx.all_reduce("SUM", np.float32(1))
+
+    result = strategy.run(step)
+    assert [float(v) for v in strategy.experimental_local_results(result)] == [2.0, 2.0]
+    report = stderr.getvalue()
+    assert "replica 0 (" in report
+    assert "neither reached a collective nor returned" in report
+    assert "test_eager_runner.py" in report  # the replica's own line
+    assert "replica_mode='thread'" in report

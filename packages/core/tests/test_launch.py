@@ -346,6 +346,27 @@ def test_launch_argument_checks(tmp_path: Path) -> None:
         _launch.worker_environment(2, [1, 2])
 
 
+def test_more_workers_than_the_open_file_limit_allows_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # -n 100000 used to start workers for 16 s, then die with "Too many open files".
+    resource = pytest.importorskip("resource")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 4096))
+    marker = tmp_path / "started"
+    script = _script(tmp_path, f"open({str(marker)!r}, 'a').close()")
+    assert main(["launch", "-n", "100000", script]) == 2
+    err = capsys.readouterr().err
+    assert "polydist launch: error: -n 100000 workers need about 200016 open files" in err
+    assert "limit (ulimit -n, RLIMIT_NOFILE) is 256" in err
+    assert "the hard limit is 4096" in err
+    assert not marker.exists()  # checked before any worker starts
+    most = int(err.split("Start at most ")[1].split()[0])
+    assert 0 < most < 120  # (256 - open files - headroom) / 2 pipes per worker
+    _launch._check_open_file_limit(most)  # the advice holds
+    with pytest.raises(ValueError, match=f"-n {most + 1} workers need"):
+        _launch._check_open_file_limit(most + 1)
+
+
 def test_gpus_per_worker_gives_each_worker_its_own_gpus(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

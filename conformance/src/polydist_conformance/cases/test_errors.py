@@ -225,3 +225,54 @@ def test_invalid_mirrored_devices(conformance: Conformance, devices: Any) -> Non
         return pd.MirroredStrategy(devices, backend=strategy.extended.backend)
 
     conformance.check_raises(program, ValueError)
+
+
+@pytest.mark.parametrize("devices", [2.0, True, object()], ids=["float", "bool", "object"])
+def test_mirrored_devices_of_the_wrong_type(conformance: Conformance, devices: Any) -> None:
+    def program(strategy: pd.Strategy, xp: Any) -> Any:
+        return pd.MirroredStrategy(devices, backend=strategy.extended.backend)
+
+    conformance.check_raises(program, TypeError, match=r"devices must be .*got (float|bool|object)")
+
+
+def test_run_of_a_non_callable(conformance: Conformance) -> None:
+    def program(strategy: pd.Strategy, xp: Any) -> Any:
+        return strategy.run(42)  # type: ignore[arg-type]
+
+    conformance.check_raises(program, TypeError, match=r"fn must be a callable.*got int 42")
+
+
+def test_merge_call_of_a_non_callable(conformance: Conformance) -> None:
+    def program(strategy: pd.Strategy, xp: Any) -> Any:
+        return strategy.run(lambda: replica_context().merge_call(42))  # type: ignore[arg-type]
+
+    conformance.check_raises(program, TypeError, match=r"merge_fn must be a callable.*got int 42")
+
+
+_WRONG_COUNT_CALLS = {
+    "reduce": lambda s, v: s.reduce("SUM", v, axis=None),
+    "reduce-axis": lambda s, v: s.reduce("MEAN", v, axis=0),
+    "reduce_to": lambda s, v: s.extended.reduce_to("SUM", v, destinations="/cpu:0"),
+    "batch_reduce_to": lambda s, v: s.extended.batch_reduce_to("SUM", [(v, v), (v, v)]),
+    "run": lambda s, v: s.run(lambda x: x, args=(v,)),
+    "gather": lambda s, v: s.gather(v, axis=0),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_WRONG_COUNT_CALLS))
+@pytest.mark.parametrize("extra", [-1, 1], ids=["one-too-few", "one-too-many"])
+def test_per_replica_with_the_wrong_number_of_values(
+    conformance: Conformance, call: str, extra: int
+) -> None:
+    # A hand-made PerReplica of 2 values on 4 replicas was reduced silently (issue 22).
+    n = conformance.replicas
+    if n + extra < 1:
+        pytest.skip("one value fewer than one replica is no PerReplica")
+
+    def program(strategy: pd.Strategy, xp: Any) -> Any:
+        value = pd.PerReplica([xp.ones((2, 3), dtype=xp.float32)] * (n + extra))
+        return _WRONG_COUNT_CALLS[call](strategy, value)
+
+    conformance.check_raises(
+        program, ValueError, match=rf"PerReplica with {n + extra} value\(s\).* {n} replica\(s\)"
+    )

@@ -7,14 +7,13 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from polydist import _variables
 from polydist._values import select_replica
 from polydist.backend import Capabilities, EagerReplicaRunner
-from polydist_jax import _collectives, _devices, _functional, _input, _tpu
-from polydist_jax._eager_grad import DifferentiableChannel
+from polydist_jax import _collectives, _devices, _functional, _input, _namespace, _tpu
+from polydist_jax._eager_grad import DifferentiableChannel, MovedArrays
 from polydist_jax._lazy import is_tracer
 from polydist_jax._spmd import CompiledRunner, Uneven
 from polydist_jax._typed import x64_enabled
@@ -83,8 +82,10 @@ class JaxBackend:
         self._compiled = CompiledRunner()
         # Threads, not greenlets: JAX keeps its trace state per thread, and a replica
         # switched out in the middle of jax.grad would see another replica's trace.
+        # merge_fn's arrays reach each eager replica on its own device (_eager_grad).
+        self._moved = MovedArrays()
         self._eager = EagerReplicaRunner(
-            "thread", timeout_seconds, wrap_channel=DifferentiableChannel
+            "thread", timeout_seconds, wrap_channel=self._eager_channel
         )
         #: Calls of strategy.run that ran eagerly because their inputs were uneven.
         self.eager_fallback_count = 0
@@ -144,7 +145,8 @@ class JaxBackend:
 
     # -- devices -------------------------------------------------------------------------
     def array_namespace(self) -> Any:
-        return jnp
+        """``jax.numpy``, with core's exact division for MEAN (``polydist_jax._namespace``)."""
+        return _namespace
 
     def list_devices(self) -> tuple[str, ...]:
         kinds = [_devices.default_kind()]
@@ -219,7 +221,7 @@ class JaxBackend:
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
         if not self.jit:
-            return self._eager.run(extended, fn, per_replica_args)
+            return self._run_eagerly(extended, fn, per_replica_args)
         try:
             return self._compiled.run(extended, fn, per_replica_args)
         except Uneven as e:
@@ -232,7 +234,24 @@ class JaxBackend:
                     "calls eagerly."
                 ) from None
         self.eager_fallback_count += 1
-        return self._eager.run(extended, fn, per_replica_args)
+        return self._run_eagerly(extended, fn, per_replica_args)
+
+    def _eager_channel(self, inner: Any, replica_index: int) -> DifferentiableChannel:
+        return DifferentiableChannel(inner, replica_index, self._moved)
+
+    def _run_eagerly(
+        self,
+        extended: StrategyExtended,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[Any]:
+        try:
+            results = self._eager.run(extended, fn, per_replica_args)
+        except BaseException:
+            self._moved.forget()
+            raise
+        # Replicas that all returned their copy of one merge_fn array return that array.
+        return self._moved.restore(results)
 
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:

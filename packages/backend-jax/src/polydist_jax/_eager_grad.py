@@ -13,6 +13,7 @@ rendezvous with the other replicas on concrete values, with TF's rules:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,11 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from polydist import _nest
 from polydist._backend import ReplicaChannel
+from polydist._context import get_replica_context
 from polydist._reduce_op import ReduceOp
 from polydist_jax._lazy import is_tracer
 
-__all__ = ["DifferentiableChannel"]
+__all__ = ["DifferentiableChannel", "MovedArrays"]
 
 
 def _zero_cotangent(x: Any) -> Any:
@@ -36,12 +39,58 @@ def _differentiable(x: Any) -> bool:
     return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
 
+class MovedArrays:
+    """The copies `DifferentiableChannel.merge_call` made of merge_fn's arrays for the
+    replicas of one backend's eager runs, so that a run whose replicas all return
+    copies of one array returns that array, as the sim does (`restore`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._originals: dict[int, tuple[Any, Any]] = {}  # id(copy) -> (copy, original)
+
+    def note(self, copy: Any, original: Any) -> None:
+        with self._lock:
+            self._originals[id(copy)] = (copy, original)
+
+    def forget(self) -> None:
+        with self._lock:
+            self._originals = {}
+
+    def restore(self, results: list[Any]) -> list[Any]:
+        """``results`` (one per replica) where each replica returned a copy of the same
+        array at the same place: that array itself (core's regroup then unwraps it).
+        Forgets every copy noted so far."""
+        with self._lock:
+            originals, self._originals = self._originals, {}
+        if not originals or len(results) < 2:
+            return results
+
+        def original(x: Any) -> Any:
+            entry = originals.get(id(x))
+            return entry[1] if entry is not None and entry[0] is x else x
+
+        flats = [_nest.flatten(r) for r in results]
+        spec = flats[0][1]
+        if any(f[1] != spec for f in flats[1:]):  # each replica's own structure
+            return results
+        rows = [list(f[0]) for f in flats]
+        for i in range(len(rows[0])):
+            first = original(rows[0][i])
+            if all(original(row[i]) is first for row in rows[1:]):
+                for row in rows:
+                    row[i] = first
+        return [_nest.unflatten(spec, row) for row in rows]
+
+
 class DifferentiableChannel:
     """Wraps one eager replica's channel (``EagerReplicaRunner(wrap_channel=...)``)."""
 
-    def __init__(self, inner: ReplicaChannel, replica_index: int) -> None:
+    def __init__(
+        self, inner: ReplicaChannel, replica_index: int, moved: MovedArrays | None = None
+    ) -> None:
         self._inner = inner
         self._index = replica_index
+        self._moved = moved
 
     def all_reduce(self, reduce_op: ReduceOp, values: Sequence[Any]) -> list[Any]:
         if not any(is_tracer(v) for v in values):
@@ -87,7 +136,26 @@ class DifferentiableChannel:
     def merge_call(
         self, merge_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        return self._inner.merge_call(merge_fn, args, kwargs)
+        result = self._inner.merge_call(merge_fn, args, kwargs)
+        ctx = get_replica_context()
+        if ctx is None or ctx._replica_index is None:
+            return result
+        # merge_fn's arrays may live on another device (strategy.reduce's result is on
+        # the host): as TF copies across devices, this replica gets them on its own.
+        extended = ctx._strategy.extended
+        device = extended.worker_devices[ctx._replica_index]
+        backend = extended._backend
+        moved = self._moved
+
+        def place(x: Any) -> Any:
+            if not isinstance(x, jax.Array) or is_tracer(x) or not x.committed:
+                return x
+            copy = backend.place(x, device)
+            if copy is not x and moved is not None:
+                moved.note(copy, x)
+            return copy
+
+        return _nest.map_structure(place, result)
 
 
 def _float_cotangents(primals: tuple[Any, ...], cts: tuple[Any, ...]) -> list[Any]:

@@ -10,9 +10,11 @@ one per local device (``local_devices=D``; on CPU this sets
 worker-major, so the mesh's linear index is the global replica id. Each
 worker assembles its global inputs from its own replicas' values, and gets
 back its own replicas' outputs and variable copies. The workers first agree
-on the program (`_Cluster.agree`: a digest of the function and its input
-shapes, one small all-gather); when one differs or cannot compile, every
-worker runs that call eagerly. Eager runs (``jit=False``, or that fallback)
+on the program (`_Cluster.agree`: a digest of the function, its input shapes
+and the collectives of its trace, one small all-gather); when one differs or
+cannot compile, every worker runs that call eagerly (where each collective is
+checked: workers whose steps issue other collectives raise
+``CollectiveMismatchError``). Eager runs (``jit=False``, or that fallback)
 run the D replicas on threads, like ``JaxBackend(jit=False)``: each
 cross-replica collective is a sequential sum (or concatenation) over this
 worker's replicas, then one compiled cross-process step on a mesh of one
@@ -59,10 +61,12 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import ipaddress
 import itertools
 import math
 import operator
 import os
+import socket
 import sys
 import threading
 import time
@@ -85,7 +89,6 @@ from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS, MultiProcessMirrore
 from polydist.backend import pack_by_dtype
 from polydist.cluster_resolver import ClusterResolver
 from polydist_jax._backend import JaxBackend
-from polydist_jax._eager_grad import DifferentiableChannel
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
 from polydist_jax._spmd import CompiledRunner, _Mesh
 from polydist_jax._typed import pspec, psum
@@ -240,13 +243,18 @@ def initialize(
     *,
     local_devices: int | None = None,
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    coordinator_bind_address: str | None = None,
 ) -> tuple[int, int]:
     """``jax.distributed.initialize`` with polydist's bounds; returns ``(process_id, count)``.
 
     Arguments default to ``$JAX_COORDINATOR_ADDRESS`` (or
     ``$POLYDIST_COORDINATOR_ADDRESS``), ``$POLYDIST_NUM_PROCESSES`` and
-    ``$POLYDIST_PROCESS_ID``, which ``polydist launch`` sets. ``local_devices``
-    sets ``jax_num_cpu_devices`` on CPU. Must run before JAX's backends start
+    ``$POLYDIST_PROCESS_ID``, which ``polydist launch`` sets. Worker 0 hosts JAX's
+    coordination service (unauthenticated) on ``coordinator_bind_address``: default
+    ``$JAX_COORDINATOR_BIND_ADDRESS``, else the coordinator address itself, so it
+    listens only on the interface the cluster names (loopback under ``polydist
+    launch``), not on every interface as JAX's own default (``[::]:PORT``) does.
+    ``local_devices`` sets ``jax_num_cpu_devices`` on CPU. Must run before JAX's backends start
     (before any ``jax.devices()`` or computation). A process that has not
     joined within ``timeout_seconds`` prints why and exits with
     `WATCHDOG_EXIT_CODE`. Calling it again in a joined process is a no-op.
@@ -274,6 +282,7 @@ def initialize(
             "run. Create polydist_jax.MultiWorkerMirroredStrategy (or call polydist_jax."
             "initialize) first thing in the program, before any other JAX call."
         )
+    bind = _bind_address(address, coordinator_bind_address)
     if local_devices is not None:  # only the CPU platform reads it
         _set_cpu_devices(local_devices)
     jax_bound = math.ceil(timeout_seconds) + _JAX_MARGIN_SECONDS
@@ -296,10 +305,51 @@ def initialize(
             index,
             initialization_timeout=jax_bound,
             heartbeat_timeout_seconds=jax_bound,
+            coordinator_bind_address=bind,
         )
     finally:
         watchdog.disarm(armed)
     return index, count
+
+
+def _bind_address(coordinator_address: str, explicit: str | None = None) -> str:
+    """Where worker 0's coordination service listens: ``explicit``, else
+    ``$JAX_COORDINATOR_BIND_ADDRESS``, else ``coordinator_address`` itself (the address
+    the cluster spec gives worker 0: only that interface). One exception: a host *name*
+    that resolves to loopback here only (Debian and Ubuntu map the machine's own name to
+    127.0.1.1) names this host to the others by its network address, which this process
+    cannot know: the service then listens on every interface (``[::]:PORT``, JAX's
+    default), as before."""
+    override = explicit or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    bind = override or coordinator_address
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(
+            f"The coordinator's bind address {bind!r} is not HOST:PORT. Pass "
+            "coordinator_bind_address='HOST:PORT' (or set $JAX_COORDINATOR_BIND_ADDRESS), e.g. "
+            "'10.0.0.5:1234' for one interface, or '[::]:1234' for every interface."
+        )
+    if not override and _only_loopback_by_name(host):
+        return f"[::]:{port}"
+    return bind
+
+
+def _only_loopback_by_name(host: str) -> bool:
+    """Whether ``host`` is a name (not an IP literal, not ``localhost``) whose every
+    address here is a loopback address."""
+    if host.lower() == "localhost":
+        return False
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return False  # an IP literal: bind exactly that
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(host, None)
+    except OSError:
+        return False  # JAX reports an unresolvable name itself
+    addresses = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in found}
+    return bool(addresses) and all(a.is_loopback for a in addresses)
 
 
 def _env_int(name: str) -> int | None:
@@ -536,8 +586,9 @@ class _Cluster(mp.ClusterMembership):
         if differ:
             return (
                 f"worker(s) {self.describe(differ)} call another program than worker "
-                f"{self.rank}: another function, or inputs of other shapes, dtypes or static "
-                "values (e.g. a partial last batch on some workers)"
+                f"{self.rank}: another function, inputs of other shapes, dtypes or static "
+                "values (e.g. a partial last batch on some workers), or other collectives "
+                "in its trace (closures or globals that differ between workers)"
             )
         return None
 
@@ -696,7 +747,7 @@ class JaxProcessBackend(JaxBackend):
         self._task: tuple[str, int] | None = None
         self._timeout = DEFAULT_TIMEOUT_SECONDS
         self._addresses: list[str] = []
-        self._runners = mp.ReplicaRunners(timeout_seconds, DifferentiableChannel)
+        self._runners = mp.ReplicaRunners(timeout_seconds, self._eager_channel)
         if not hasattr(self, "_eager"):
             raise RuntimeError(
                 "polydist_jax.JaxBackend no longer has the _eager runner that JaxProcessBackend "

@@ -273,10 +273,19 @@ def _portable(obj: object) -> object:
 
 
 def _signature(
-    fn: Callable[..., Any], spec: Any, leaves: list[_Leaf], var_keys: tuple[Any, ...], x64: bool
+    fn: Callable[..., Any],
+    spec: Any,
+    leaves: list[_Leaf],
+    var_keys: tuple[Any, ...],
+    x64: bool,
+    jaxpr: Any,
+    events: Sequence[_trace.CollectiveEvent],
 ) -> bytes:
-    """A digest of what makes a program (functions by name, inputs by kind, shape and
-    dtype, static inputs by value), the same in every process that runs the same step."""
+    """A digest of the program a process runs, the same in every process that runs the
+    same step: the function by name, the inputs by kind, shape and dtype (static ones by
+    value), and what the trace holds, which closures and globals decide: polydist's
+    collectives in order (op, reduce op, dtype, shape) and every collective of the
+    traced program (`_collectives`)."""
     target = inspect.unwrap(fn)  # a strategy's wrapper (InReplicaContext) differs by worker
     name = getattr(target, "__qualname__", type(target).__qualname__)
     parts: list[object] = [getattr(target, "__module__", ""), name, repr(spec), x64]
@@ -288,7 +297,73 @@ def _signature(
         else:
             parts.append((leaf.kind, leaf.shape, leaf.dtype))
     parts.extend(key[1:] for key in var_keys)  # without id(variable)
+    # Without participants (device names differ by worker) or source lines (paths may).
+    parts.extend((e.op, e.reduce_op, e.dtype, tuple(e.shape)) for e in events)
+    parts.extend(_collectives(jaxpr))
     return hashlib.sha256(repr(parts).encode()).digest()
+
+
+# The primitives of jax.lax's collectives that communicate (not axis_index, pvary).
+_COLLECTIVE_PREFIXES = (
+    "psum",
+    "pmax",
+    "pmin",
+    "ppermute",
+    "pbroadcast",
+    "psend",
+    "precv",
+    "all_gather",
+    "all_to_all",
+    "ragged_all_to_all",
+    "reduce_scatter",
+    "unreduced_",
+)
+
+
+def _collectives(jaxpr: Any) -> list[tuple[object, ...]]:
+    """Every collective of ``jaxpr`` and the jaxprs inside it (shard_map's body, jit,
+    cond, scan, ...), in program order: its primitive, its parameters and its operands'
+    shapes and dtypes."""
+    found: list[tuple[object, ...]] = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name.startswith(_COLLECTIVE_PREFIXES):
+            params = tuple(
+                (k, _plain(v)) for k, v in sorted(eqn.params.items()) if not _holds_jaxpr(v)
+            )
+            operands = tuple(
+                (tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars if hasattr(v, "aval")
+            )
+            found.append((name, params, operands))
+        for value in eqn.params.values():
+            for sub in _jaxprs_in(value):
+                found.extend(_collectives(sub))
+    return found
+
+
+def _jaxprs_in(value: Any) -> list[Any]:
+    if isinstance(value, tuple | list):
+        return [j for v in value for j in _jaxprs_in(v)]
+    if hasattr(value, "eqns"):  # a Jaxpr
+        return [value]
+    inner = getattr(value, "jaxpr", None)  # a ClosedJaxpr
+    if inner is not None and hasattr(inner, "eqns"):
+        return [inner]
+    return []
+
+
+def _holds_jaxpr(value: Any) -> bool:
+    return bool(_jaxprs_in(value)) or callable(value)
+
+
+def _plain(value: Any) -> object:
+    """A parameter as another process can compare it: no ids or addresses."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple | list | frozenset):
+        items = [_plain(v) for v in value]
+        return tuple(sorted(items, key=repr)) if isinstance(value, frozenset) else tuple(items)
+    return type(value).__qualname__
 
 
 # --------------------------------------------------------------------------- programs
@@ -327,9 +402,13 @@ class _Program:
     created: list[Variable] = field(default_factory=list)
     evict: Callable[[], None] | None = None
     # Across processes: what every process must agree on before running it (see
-    # ProcessGroup.agree), and the program compiled ahead of its first call.
-    signature: bytes = b""
+    # ProcessGroup.agree; None until traced), the traced program lowered, and the
+    # program compiled ahead of its first call.
+    signature: bytes | None = None
+    lowered: Any = None
     executable: Any = None
+    # What the signature needs besides the trace: (fn, spec, leaves, var_keys, x64).
+    signs: tuple[Any, ...] = ()
     # One device, one process: rank-0 results come out of the program rank 0.
     squeezed: bool = False
 
@@ -404,6 +483,29 @@ _SPMD_NOTE = (
     "jnp.where or lax.cond, return arrays and convert them after run, or run eagerly with "
     "JaxBackend(jit=False)."
 )
+
+
+_TRACER_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+def _add_note(e: BaseException) -> None:
+    if sys.version_info >= (3, 11):
+        e.add_note(_SPMD_NOTE)
+
+
+@contextmanager
+def _spmd_note() -> Iterator[None]:
+    """Python control flow on traced values in fn: the error says why (`_SPMD_NOTE`)."""
+    try:
+        yield
+    except _TRACER_ERRORS as e:
+        _add_note(e)
+        raise
 
 
 # --------------------------------------------------------------------------- the channel
@@ -659,17 +761,12 @@ class CompiledRunner:
                 # Compiled ahead (outside the cluster's bound: a compile is no hang),
                 # then run with every cross-process wait bounded.
                 if program.executable is None:
-                    program.executable = program.jitted.lower(*inputs).compile()
+                    lowered = program.lowered or program.jitted.lower(*inputs)
+                    program.executable, program.lowered = lowered.compile(), None
                 executable = program.executable
                 outputs = group.execute(lambda: executable(*inputs))
-        except (
-            jax.errors.ConcretizationTypeError,
-            jax.errors.TracerBoolConversionError,
-            jax.errors.TracerIntegerConversionError,
-            jax.errors.TracerArrayConversionError,
-        ) as e:
-            if sys.version_info >= (3, 11):
-                e.add_note(_SPMD_NOTE)
+        except _TRACER_ERRORS as e:
+            _add_note(e)
             raise
         split, replicated, updated, fingerprints = outputs
         variables = [*call_variables, *program.created]
@@ -725,7 +822,9 @@ class CompiledRunner:
     ) -> tuple[_Program, list[Any], list[list[Any]], _Mesh, bool]:
         """`_prepare`, then every process agrees to run the same program: each one
         builds its global arrays from its own replicas' shapes, so a process whose
-        inputs differ (a partial last batch) would run another program. Otherwise
+        inputs differ (a partial last batch) would run another program, and traces fn
+        with its own closures and globals. The digest they compare (`_signature`)
+        describes the traced program, computed once, when it is first traced. Otherwise
         every process raises :class:`Uneven` (and runs this call eagerly)."""
         try:
             prepared = self._prepare(extended, fn, per_replica_args)
@@ -740,6 +839,16 @@ class CompiledRunner:
                 "(jax.jit, jax.grad, ...) with traced inputs; it cannot join that trace. Call "
                 "strategy.run outside JAX transformations: it compiles the step itself."
             )
+        if program.signature is None:
+            # Traced (and lowered) once, before agreeing: the digest describes the program
+            # this process would run, whatever its closures and globals hold.
+            with _spmd_note():
+                trace = program.jitted.trace(*prepared[1])
+            fn_, spec, leaves, var_keys, x64 = program.signs
+            program.signature = _signature(
+                fn_, spec, leaves, var_keys, x64, trace.jaxpr, program.events
+            )
+            program.lowered = trace.lower()
         why = group.agree(program.signature)
         if why is not None:
             raise Uneven(why)
@@ -976,8 +1085,7 @@ class CompiledRunner:
                 return program
         kinds = [isinstance(v, DistributedVariable) for v in variables]
         program = self._build(extended, fn, leaves, mesh, spec, kinds)
-        if mesh.spans_processes:
-            program.signature = _signature(fn, spec, leaves, key[3], key[4])
+        program.signs = (fn, spec, leaves, key[3], key[4])  # for a group's digest
 
         def evict() -> None:
             with self._lock:

@@ -13,7 +13,8 @@ once, where real hardware would hang.
 Each replica runs on its own stack, in one of two ways:
 
 * ``"greenlet"`` (the default): greenlets on the calling thread. A switch
-  costs about a microsecond and no thread is ever created.
+  costs about a microsecond and no replica thread is created (one watchdog
+  thread reports a replica stuck in a wait outside polydist: see `_Watchdog`).
 * ``"thread"``: pooled daemon threads, for engines whose per-thread state
   must not be switched in the middle of a call (for example an autograd
   engine that runs a replica's backward pass). Each wait has a timeout;
@@ -25,6 +26,7 @@ Each replica runs on its own stack, in one of two ways:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
     from polydist._backend import Backend, ReplicaChannel
     from polydist._strategy import StrategyExtended
 
-__all__ = ["EagerReplicaRunner", "busy_workers", "default_timeout"]
+__all__ = ["EagerReplicaRunner", "busy_workers", "default_timeout", "timeout_seconds_from_env"]
 
 TIMEOUT_ENV = "POLYDIST_TIMEOUT_SECONDS"
 IDLE_ENV = "POLYDIST_IDLE_THREAD_SECONDS"
@@ -57,10 +59,36 @@ IDLE_ENV = "POLYDIST_IDLE_THREAD_SECONDS"
 Mode = Literal["greenlet", "thread"]
 
 
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+def timeout_seconds_from_env(default: float = DEFAULT_TIMEOUT_SECONDS) -> float:
+    """``$POLYDIST_TIMEOUT_SECONDS`` as seconds (``default`` when unset or empty).
+
+    The one parser of the variable, for every backend. Raises ``ValueError``
+    naming the variable unless it is a finite number of seconds above 0.
+    """
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= threading.TIMEOUT_MAX:  # NaN fails too
+        raise ValueError(
+            f"${TIMEOUT_ENV} must be a positive number of seconds (e.g. 300 or 2.5), got "
+            f"{text!r}. It bounds how long a replica may run between two collectives "
+            f"before it is reported as stuck; set it to a number above 0, or unset it for "
+            f"the default ({default:g} s)."
+        )
+    return seconds
+
+
 def default_timeout() -> float:
     """Seconds a threaded replica may run between two sync points
-    (``$POLYDIST_TIMEOUT_SECONDS``, default 300)."""
-    return float(os.environ.get(TIMEOUT_ENV, "300"))
+    (``$POLYDIST_TIMEOUT_SECONDS``, default 300); see `timeout_seconds_from_env`."""
+    return timeout_seconds_from_env()
 
 
 # -- sync points --------------------------------------------------------------------
@@ -205,6 +233,15 @@ class _GreenletSlot(_Slot):
         parent.switch()
 
     def _resume(self) -> None:
+        run = self.run
+        run.running = self  # what the watchdog samples: who runs, and since which switch
+        run.switches += 1
+        try:
+            self._switch_in()
+        finally:
+            run.running = None
+
+    def _switch_in(self) -> None:
         g = self._greenlet
         if g is None:
             idle = _GREENLETS.idle
@@ -267,6 +304,103 @@ class _InlineSlot(_Slot):
 
     def _resume(self) -> None:
         self._body()
+
+
+# -- the watchdog (greenlet mode) ----------------------------------------------------------
+
+
+class _Watchdog:
+    """Reports a greenlet-mode replica that neither syncs nor returns within the timeout.
+
+    Greenlet replicas share the calling thread, so a replica blocked in a wait
+    outside polydist (a ``threading.Event`` another replica would set, a queue, a
+    lock) blocks them all, and nothing on that thread can interrupt it. A daemon
+    thread samples the greenlet runs and writes a diagnostic to stderr (it cannot
+    unblock the wait; thread mode raises ``DeadlineExceededError`` instead).
+    """
+
+    def __init__(self) -> None:
+        self.runs: dict[int, _Run] = {}
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, run: _Run) -> None:
+        self.runs[id(run)] = run
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._loop, name="polydist-greenlet-watchdog", daemon=True
+                    )
+                    self._thread.start()
+
+    def unwatch(self, run: _Run) -> None:
+        self.runs.pop(id(run), None)
+
+    def _loop(self) -> None:
+        # id(run) -> (switches, id of the running slot, first seen at, reported): only
+        # ids, and no run held across the sleep, so that no finished run stays alive.
+        seen: dict[int, tuple[int, int, float, bool]] = {}
+        poll = 1.0
+        while True:
+            time.sleep(poll)
+            seen, poll = self._sample(seen)
+
+    def _sample(
+        self, seen: dict[int, tuple[int, int, float, bool]]
+    ) -> tuple[dict[int, tuple[int, int, float, bool]], float]:
+        now = time.monotonic()
+        live = {}
+        timeouts = []
+        for key, run in list(self.runs.items()):  # one C-level copy: safe across threads
+            slot, switches = run.running, run.switches
+            timeouts.append(run.timeout)
+            old = seen.get(key)
+            if old is None or old[0] != switches or old[1] != id(slot):
+                live[key] = (switches, id(slot), now, False)
+                continue
+            reported = old[3]
+            if slot is not None and not reported and now - old[2] >= run.timeout:
+                _report_stuck(run, slot, now - old[2])
+                reported = True
+            live[key] = (old[0], old[1], old[2], reported)
+        return live, min(max(min(timeouts, default=4.0) / 4, 0.01), 1.0)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _new_watchdog_after_fork() -> None:
+    global _WATCHDOG
+    _WATCHDOG = _Watchdog()  # a forked child has no watchdog thread: it starts its own
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_watchdog_after_fork)
+
+
+def _report_stuck(run: _Run, slot: _Slot, seconds: float) -> None:
+    frame = sys._current_frames().get(run.thread_id)
+    where = ""
+    if frame is not None:
+        code = frame.f_code
+        inner = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        user = _trace.user_source_line(frame=frame)
+        where = f" It is at {inner}" + (f", called from {user}" if user != inner else "") + "."
+    print(
+        f"polydist: replica {slot.index} ({run.devices[slot.index]}) has neither reached a "
+        f"collective nor returned for {seconds:.3g} s (the timeout: {run.timeout:g} s).{where} "
+        "In greenlet mode (the default) replicas take turns on one thread and only "
+        "polydist's collectives and merge_call switch between them, so a replica that waits "
+        "for something another replica would do (a threading.Event, a queue, a lock) waits "
+        "forever. Exchange values through a collective or merge_call instead, or run the "
+        "replicas on threads (SimBackend(replica_mode='thread'), "
+        "EagerReplicaRunner(mode='thread')), where a stuck replica raises "
+        "DeadlineExceededError. If the replica is only slow, raise the timeout "
+        f"(timeout_seconds, or ${TIMEOUT_ENV}).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 # -- the worker pool (thread mode) ------------------------------------------------------
@@ -423,10 +557,14 @@ class _Run:
         self.options: CommunicationOptions | None = getattr(
             extended, "_communication_options", None
         )
+        self.running: _Slot | None = None  # greenlet mode: the replica running now
+        self.switches = 0  # greenlet mode: replica resumptions so far
+        self.thread_id = threading.get_ident()
         slot_class: type[_Slot] = _GreenletSlot if mode == "greenlet" else _ThreadSlot
         if mode == "thread" and len(per_replica_args) == 1:  # EagerReplicaRunner.runs_inline
             slot_class = _InlineSlot
         self.slots: list[_Slot] = [slot_class(self, r) for r in range(len(per_replica_args))]
+        self.watched = mode == "greenlet"
 
     def call_replica(self, slot: _Slot) -> Any:
         from polydist._replica_context import ReplicaContext
@@ -444,6 +582,8 @@ class _Run:
 
     def run(self) -> list[Any]:
         replies: list[Any] = [None] * len(self.slots)
+        if self.watched:
+            _WATCHDOG.watch(self)
         try:
             while True:
                 for slot in self.slots:
@@ -463,6 +603,8 @@ class _Run:
                     )
                 replies = self._resolve([s.request for s in paused if s.request is not None])
         finally:
+            if self.watched:
+                _WATCHDOG.unwatch(self)
             for slot in self.slots:
                 slot.stop()
                 slot.result = None
@@ -588,8 +730,10 @@ class EagerReplicaRunner:
     Args:
         mode: ``"greenlet"`` (default) runs replicas as greenlets on the calling
             thread; ``"thread"`` runs them on pooled threads (see the module doc).
-        timeout: thread mode only: seconds a replica may run between two sync
-            points (default ``$POLYDIST_TIMEOUT_SECONDS`` or 300).
+        timeout: seconds a replica may run between two sync points (default
+            ``$POLYDIST_TIMEOUT_SECONDS`` or 300). Thread mode raises
+            ``DeadlineExceededError`` after it; greenlet mode can only report the
+            replica on stderr (a blocked greenlet blocks the calling thread).
         wrap_channel: called as ``wrap_channel(channel, replica_index)`` for each
             replica of each run; what it returns is the replica's channel. A
             backend uses it to wrap the collectives, e.g. to make them

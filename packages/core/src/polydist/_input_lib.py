@@ -944,11 +944,11 @@ def _value_devices(layout: _Layout, options: InputOptions | None) -> tuple[str, 
 
 
 def make_numpy_dataset(numpy_input: Nest, session: object = None) -> Dataset:
-    """``Dataset.from_tensor_slices(numpy_input)``: TF 1's ``experimental_make_numpy_dataset``.
+    """``Dataset.from_tensor_slices(numpy_input)``: ``experimental_make_numpy_dataset``.
 
-    Only ``tf.compat.v1`` strategies have this method (the V2 ``Strategy``
-    does not); ``session`` is accepted for compatibility and unused, since
-    there is no graph mode. Distribute the result with
+    The ``tf.compat.v1`` strategies and TF 2's ``TPUStrategy`` have this method
+    (the V2 ``Strategy`` does not); ``session`` is accepted for compatibility
+    and unused, since there is no graph mode. Distribute the result with
     ``experimental_distribute_dataset`` after batching it.
     """
     del session  # graph-mode only in TF

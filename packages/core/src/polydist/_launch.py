@@ -139,6 +139,48 @@ def worker_environment(
     return env
 
 
+#: File descriptors the launcher holds per worker: the read ends of its stdout and
+#: stderr pipes (a free-port socket per worker is closed before any worker starts).
+FDS_PER_WORKER = 2
+# Starting one worker opens a few more for a moment (Popen's pipes and its error pipe).
+_FD_HEADROOM = 16
+
+
+def _open_fd_count() -> int:
+    """File descriptors this process has open now (an estimate where /proc is missing)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        with contextlib.suppress(OSError):
+            return len(os.listdir(folder))
+    return 3
+
+
+def _check_open_file_limit(num_workers: int) -> None:
+    """Raises ``ValueError`` if ``num_workers`` workers' pipes need more file descriptors
+    than ``RLIMIT_NOFILE`` allows, before anything starts (else the launch fails midway
+    with "Too many open files")."""
+    try:
+        import resource
+    except ImportError:  # not POSIX: no such limit to check
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    in_use = _open_fd_count()
+    needed = num_workers * FDS_PER_WORKER + _FD_HEADROOM
+    if in_use + needed <= soft:
+        return
+    most = max(0, (soft - in_use - _FD_HEADROOM) // FDS_PER_WORKER)
+    raise ValueError(
+        f"-n {num_workers} workers need about {needed} open files in the launcher "
+        f"({FDS_PER_WORKER} pipes per worker for its output, plus {_FD_HEADROOM} to start "
+        f"them), but the open-file limit (ulimit -n, RLIMIT_NOFILE) is {soft} with {in_use} "
+        f"already open. Start at most {most} workers, or raise the limit first "
+        f"(ulimit -n {in_use + needed}"
+        + ("" if hard == resource.RLIM_INFINITY else f"; the hard limit is {hard}")
+        + ")."
+    )
+
+
 def _worker_gpus(listed: str | None, workers: int, per_worker: int) -> list[list[str]]:
     """Each worker's GPUs: consecutive groups of ``per_worker`` of the ``listed`` ones
     (``CUDA_VISIBLE_DEVICES``), or of GPUs 0, 1, ... when there is no list."""
@@ -310,7 +352,8 @@ def launch(
     exits with, and its ``message`` says what happened.
 
     Raises:
-        ValueError: ``num_workers < 1``, a port out of range, too few GPUs listed in
+        ValueError: ``num_workers < 1`` or more workers than the open-file limit
+            (``RLIMIT_NOFILE``) allows pipes for, a port out of range, too few GPUs listed in
             ``CUDA_VISIBLE_DEVICES`` for ``gpus_per_worker``, or a negative
             ``timeout``/``grace``.
         FileNotFoundError: ``script`` does not exist.
@@ -327,6 +370,7 @@ def launch(
             f"{port + num_workers - 1} must lie in 1..65535); pick a lower port or omit it "
             "to use free ports."
         )
+    _check_open_file_limit(num_workers)
     if gpus_per_worker is not None:  # checked before any worker starts
         base_env = os.environ if env is None else env
         _worker_gpus(base_env.get("CUDA_VISIBLE_DEVICES"), num_workers, gpus_per_worker)

@@ -51,7 +51,13 @@ from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
 import numpy as np
 
 from polydist import _trace, _variables, errors
-from polydist._arrays import check_summable, convert_to_array, is_integral, mean_from_sum
+from polydist._arrays import (
+    check_summable,
+    convert_to_array,
+    divide_exactly,
+    is_integral,
+    mean_from_sum,
+)
 from polydist._backend import (
     Backend,
     Capabilities,
@@ -624,8 +630,8 @@ class MultiProcessMirroredStrategy(MultiWorkerMirroredStrategy):
         numer = xp.asarray(numer)
         with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
             if is_integral(xp, numer.dtype):
-                return xp.asarray(xp.astype(numer, xp.float64) / denom)
-            return xp.asarray(numer / xp.asarray(denom, dtype=numer.dtype))
+                return xp.asarray(divide_exactly(xp, xp.astype(numer, xp.float64), denom))
+            return xp.asarray(divide_exactly(xp, numer, xp.asarray(denom, dtype=numer.dtype)))
 
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]

@@ -91,6 +91,12 @@ class ReplicaContext:
         replaced by that replica's component.
         """
         _context.require_replica_context(self)
+        if not callable(merge_fn):
+            raise TypeError(
+                "merge_fn must be a callable, called as merge_fn(strategy, *args, **kwargs) in "
+                f"cross-replica context; got {type(merge_fn).__name__} {merge_fn!r}. Pass the "
+                "function itself: get_replica_context().merge_call(merge_fn, args=(...))."
+            )
         kwargs = {} if kwargs is None else dict(kwargs)
         if self._channel is None:
             strategy = self._strategy

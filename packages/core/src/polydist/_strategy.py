@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -14,6 +14,7 @@ from polydist._arrays import (
     check_summable,
     convert_to_array,
     describe,
+    divide_exactly,
     is_integral,
     mean_from_sum,
 )
@@ -29,6 +30,7 @@ from polydist._values import (
     Mirrored,
     PerReplica,
     ValueContext,
+    check_num_components,
     regroup,
     select_replica,
 )
@@ -124,6 +126,7 @@ class StrategyExtended(ExtendedVariablesMixin):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         """Runs ``fn`` once per replica (TF v1 API; ``Strategy.run`` calls this)."""
+        _check_callable(fn, "fn", "strategy.run(fn, args=(...))")
         _context.require_cross_replica_or_default_context(self._container_strategy())
         return self._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
@@ -183,7 +186,11 @@ class StrategyExtended(ExtendedVariablesMixin):
         return [self._reduce_to(reduce_op, v, d) for v, d in pairs]
 
     def _reduce_to(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
+        # Every reduce (Strategy.reduce with or without axis, reduce_to, batch_reduce_to)
+        # comes through here on every backend.
         value = _variables.read_for_reduce(value)  # a variable reduces as its copies' values
+        if isinstance(value, DistributedValues):
+            check_num_components(value, len(self._devices), "strategy.reduce (or reduce_to)")
         if isinstance(value, Mirrored):
             if reduce_op is ReduceOp.MEAN:
                 return self._to_destinations(value._primary, destinations)
@@ -307,6 +314,7 @@ class StrategyExtended(ExtendedVariablesMixin):
     def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
         if not isinstance(value, DistributedValues):
             return value
+        check_num_components(value, len(self._devices), "strategy.gather")
         components = [convert_to_array(v) for v in value.values]
         for c in components:
             _check_gather_axis(c, axis)
@@ -447,8 +455,8 @@ class Strategy:
         numer = xp.asarray(numer)
         with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
             if is_integral(xp, numer.dtype):
-                return xp.asarray(xp.astype(numer, xp.float64) / denom)
-            return xp.asarray(numer / xp.asarray(denom, dtype=numer.dtype))
+                return xp.asarray(divide_exactly(xp, xp.astype(numer, xp.float64), denom))
+            return xp.asarray(divide_exactly(xp, numer, xp.asarray(denom, dtype=numer.dtype)))
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates the per-replica components of ``value`` along ``axis`` on the host.
@@ -543,6 +551,8 @@ def _per_replica_args(
         for i, leaf in enumerate(flat)
         if isinstance(leaf, DistributedValues) and not leaf._select_whole
     ]
+    for i in picked:
+        check_num_components(flat[i], n, "strategy.run")
     out = []
     for r in range(n):
         leaves = list(flat)
@@ -550,6 +560,14 @@ def _per_replica_args(
             leaves[i] = flat[i].values[r]
         out.append(_nest.unflatten(spec, leaves))
     return out
+
+
+def _check_callable(fn: Any, name: str, usage: str) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"{name} must be a callable (a function to run on each replica), got "
+            f"{type(fn).__name__} {fn!r}. Pass the function itself, as in {usage}."
+        )
 
 
 def _check_reduce_op(reduce_op: Any) -> ReduceOp:
@@ -643,6 +661,12 @@ def _resolve_devices(backend: Backend, devices: Any) -> tuple[str, ...]:
         raise ValueError(
             f"devices must be a list of device strings, got the string {devices!r}. "
             f"Write devices=[{devices!r}]."
+        )
+    if isinstance(devices, bool) or not isinstance(devices, Iterable):
+        raise TypeError(
+            "devices must be a list of device strings (e.g. ['/gpu:0', '/gpu:1']), an int "
+            f"number of replicas (e.g. MirroredStrategy(2)) or None, got "
+            f"{type(devices).__name__} {devices!r}."
         )
     devices = list(devices)
     if not devices:

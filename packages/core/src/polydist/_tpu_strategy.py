@@ -40,7 +40,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from polydist._strategy import Strategy, StrategyExtended
 from polydist.cluster_resolver import TPUClusterResolver
 from polydist.errors import InvalidArgumentError
 from polydist.tpu import DeviceAssignment, LocalTPUSystem, Topology
+
+if TYPE_CHECKING:
+    from polydist.data import Dataset
 
 __all__ = [
     "LogicalDeviceAnnotation",
@@ -564,6 +567,26 @@ class TPUStrategy(Strategy):
         ``all_gather`` needs the same shape on every replica.
         """
         return super().run(fn, args, kwargs, options)
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any) -> Dataset:
+        """A ``polydist.data.Dataset`` of the slices of ``numpy_input`` along its first axis.
+
+        TF 2's ``TPUStrategy.experimental_make_numpy_dataset(numpy_input)``:
+        ``numpy_input`` is a nest of NumPy arrays, whose lists are stacked (as
+        ``tf.data.Dataset`` does). The dataset lives on the host; batch it and
+        distribute it with ``experimental_distribute_dataset``::
+
+            numpy_input = np.ones([10], dtype=np.float32)
+            dataset = strategy.experimental_make_numpy_dataset(numpy_input)
+            dist_dataset = strategy.experimental_distribute_dataset(dataset.batch(8))
+
+        Requires cross-replica (or default) context.
+        """
+        from polydist import _context
+        from polydist._input_lib import make_numpy_dataset
+
+        _context.require_cross_replica_or_default_context(self)
+        return make_numpy_dataset(numpy_input)
 
     # -- model parallelism ------------------------------------------------------------
     def experimental_assign_to_logical_device(self, tensor: Any, logical_device_id: int) -> Any:

@@ -236,7 +236,15 @@ def _writer_lock(root: Path) -> Iterator[None]:
     if sys.platform == "win32":
         yield
         return
-    fd = os.open(root / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = root / _LOCK_NAME
+    try:  # O_NOFOLLOW: a symlink planted as the lock must not make us create or lock its target
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if not lock.is_symlink():
+            raise
+        raise OSError(
+            e.errno, f"the checkpoint's lock file is a symlink; remove it (it is never one): {lock}"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -16,7 +16,7 @@ class AutoShardPolicy(enum.IntEnum):
     OFF = -1
     """No sharding: every worker reads the whole dataset."""
     AUTO = 0
-    """FILE if the pipeline reads from files, else DATA (with an ``AutoShardWarning``)."""
+    """FILE if the pipeline reads from files, else DATA (``AutoShardWarning`` if W > 1)."""
     FILE = 1
     """Each worker reads every W-th file of the pipeline's file source."""
     DATA = 2

@@ -423,8 +423,10 @@ def auto_shard_dataset(
     - HINT: every ``shard(SHARD_HINT, SHARD_HINT)`` becomes ``shard(W, w)``.
     - AUTO: FILE when the walk from the end through pass-through ops (batch,
       map, filter, shard, repeat, shuffle, skip, take, prefetch, options,
-      rebatch) reaches a file source with at least W files; otherwise DATA with
-      an AutoShardWarning, also for one worker, as TF logs it.
+      rebatch) reaches a file source with at least W files; otherwise DATA, with
+      an AutoShardWarning when there are several workers. TF logs the fallback
+      for one worker too, where DATA sharding keeps every element: polydist
+      does not warn then, since there is nothing the user could shard.
 
     Returns the policy actually applied (FILE, DATA, OFF or HINT; FILE for
     FILE with one worker) and the worker's dataset.
@@ -471,14 +473,15 @@ def auto_shard_dataset(
         )
     else:
         reason = found
-    warnings.warn(
-        f"{requested.name} sharding policy will apply DATA sharding policy as it failed to apply "
-        f"FILE sharding policy because of the following reason: {reason}. Set "
-        "options.experimental_distribute.auto_shard_policy to AutoShardPolicy.DATA (or OFF) "
-        "to choose explicitly and silence this warning.",
-        AutoShardWarning,
-        stacklevel=2,
-    )
+    if num_workers > 1:  # one worker: DATA sharding keeps every element, nothing to warn about
+        warnings.warn(
+            f"{requested.name} sharding policy will apply DATA sharding policy as it failed to "
+            f"apply FILE sharding policy because of the following reason: {reason}. Set "
+            "options.experimental_distribute.auto_shard_policy to AutoShardPolicy.DATA (or OFF) "
+            "to choose explicitly and silence this warning.",
+            AutoShardWarning,
+            stacklevel=2,
+        )
     return AutoShardResult(
         AutoShardPolicy.DATA,
         _shard_by_data(source, num_workers, worker_index, num_replicas_in_sync),
