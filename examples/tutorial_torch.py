@@ -14,8 +14,8 @@ polydist's torch backend with 4 virtual CPU replicas (no GPU needed):
   ``distribute_optimizer`` give each replica its own copy (TF: a Keras model
   built under ``strategy.scope()``), and ``optimizer.step()`` sums the
   gradients across replicas (TF: ``optimizer.apply_gradients``);
-- the loss and accuracy are per-replica sums added up with ``strategy.reduce``
-  (TF: ``tf.keras.metrics``);
+- ``polydist.metrics`` keeps the accuracy and the test loss (TF:
+  ``tf.keras.metrics``): sync-on-read variables that each replica updates;
 - ``polydist.train.CheckpointManager`` saves after each epoch; halfway, a fresh
   Python process restores the latest checkpoint and finishes the training;
 - finally the weights are compared with the same training on one device, on
@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import polydist as pd
 import polydist_torch
+from polydist.metrics import Mean, SparseCategoricalAccuracy
 from polydist.train import Checkpoint, CheckpointManager
 
 REPLICAS = 4
@@ -115,6 +116,9 @@ class Trainer:
                 torch.optim.Adam(self.model.parameters(), lr=LEARNING_RATE)
             )
             self.epoch = pd.Variable(0, name="epoch")
+            self.train_accuracy = SparseCategoricalAccuracy(name="train_accuracy")
+            self.test_loss = Mean(name="test_loss")
+            self.test_accuracy = SparseCategoricalAccuracy(name="test_accuracy")
         # Per-example losses: the loss is averaged over the *global* batch below.
         self.loss_object = nn.CrossEntropyLoss(reduction="none")
         self.checkpoint = Checkpoint(model=self.model, optimizer=self.optimizer, epoch=self.epoch)
@@ -133,37 +137,35 @@ class Trainer:
         loss.backward()
         self.optimizer.step()  # sums the gradients across replicas, then steps
         self.optimizer.zero_grad()
-        correct = (predictions.argmax(1) == labels).sum()
-        return loss.detach(), correct
+        self.train_accuracy.update_state(labels, predictions.detach())
+        return loss.detach()
 
-    def test_step(self, images: torch.Tensor, labels: torch.Tensor) -> Any:
+    def test_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         with torch.no_grad():
             predictions = self.model(images)
-            loss = self.loss_object(predictions, labels).sum()
-            return loss, (predictions.argmax(1) == labels).sum()
+            self.test_loss.update_state(self.loss_object(predictions, labels))
+            self.test_accuracy.update_state(labels, predictions)
 
     def train_epochs(self, until: int) -> None:
         strategy = self.strategy
         while int(self.epoch.numpy()) < until:
             epoch = int(self.epoch.numpy())
-            total_loss, batches, correct = 0.0, 0, 0
+            total_loss, batches = 0.0, 0
             for images, labels in strategy.experimental_distribute_dataset(train_loader(epoch)):
-                loss, right = strategy.run(self.train_step, args=(images, labels))
-                total_loss += float(strategy.reduce(pd.ReduceOp.SUM, loss, axis=None))
-                correct += int(strategy.reduce(pd.ReduceOp.SUM, right, axis=None))
+                per_replica = strategy.run(self.train_step, args=(images, labels))
+                total_loss += float(strategy.reduce(pd.ReduceOp.SUM, per_replica, axis=None))
                 batches += 1
-            test_loss, test_correct = 0.0, 0
             for images, labels in strategy.experimental_distribute_dataset(test_loader()):
-                loss, right = strategy.run(self.test_step, args=(images, labels))
-                test_loss += float(strategy.reduce(pd.ReduceOp.SUM, loss, axis=None))
-                test_correct += int(strategy.reduce(pd.ReduceOp.SUM, right, axis=None))
+                strategy.run(self.test_step, args=(images, labels))
             self.epoch.assign_add(1)
             print(
                 f"Epoch {epoch + 1}, Loss: {total_loss / batches:.4f}, "
-                f"Accuracy: {100 * correct / TRAIN_EXAMPLES:.2f}, "
-                f"Test Loss: {test_loss / TEST_EXAMPLES:.4f}, "
-                f"Test Accuracy: {100 * test_correct / TEST_EXAMPLES:.2f}"
+                f"Accuracy: {100 * float(self.train_accuracy.result()):.2f}, "
+                f"Test Loss: {float(self.test_loss.result()):.4f}, "
+                f"Test Accuracy: {100 * float(self.test_accuracy.result()):.2f}"
             )
+            for metric in (self.train_accuracy, self.test_loss, self.test_accuracy):
+                metric.reset_state()
             pd.debugging.check_replicas_identical(strategy)  # raises if the copies differ
 
 
