@@ -39,7 +39,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def main(out: Path) -> None:
-    options = pd.experimental.CommunicationOptions(timeout_seconds=60)
+    options = pd.experimental.CommunicationOptions(timeout_seconds=150)
     strategy = polydist_torch.MultiWorkerMirroredStrategy(
         communication_options=options, local_devices=REPLICAS_PER_WORKER
     )

@@ -377,7 +377,7 @@ def test_multi_worker_training_matches_single_device(tmp_path: Path) -> None:
     done = subprocess.run(
         [*torchrun, "--nproc-per-node=2", str(program), str(tmp_path)],
         env=env,
-        timeout=180,
+        timeout=300,
         capture_output=True,
         text=True,
         check=False,
