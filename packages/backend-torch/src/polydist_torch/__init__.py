@@ -6,6 +6,10 @@ Select it with ``backend="torch"`` or pass a configured ``TorchBackend``::
 
     strategy = pd.MirroredStrategy(4, backend="torch")  # 4 GPUs, or 4 virtual CPU replicas
 
+``distribute_module(module)`` and ``distribute_optimizer(optimizer)`` make an
+``nn.Module`` and one ``torch.optim`` optimizer train inside ``strategy.run``
+(see docs/frameworks/torch.md).
+
 ``parameters(strategy_or_variables)`` turns polydist variables into the
 ``torch.nn.Parameter`` objects of each replica, for ``torch.optim``.
 
@@ -21,6 +25,10 @@ from polydist_torch._backend import Reduction as Reduction
 from polydist_torch._backend import TorchBackend as TorchBackend
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS as MAX_VIRTUAL_CPU_REPLICAS
 from polydist_torch._devices import torch_device as torch_device
+from polydist_torch._modules import DistributedModule as DistributedModule
+from polydist_torch._modules import DistributedOptimizer as DistributedOptimizer
+from polydist_torch._modules import distribute_module as distribute_module
+from polydist_torch._modules import distribute_optimizer as distribute_optimizer
 from polydist_torch._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from polydist_torch._multi_worker import TorchProcessGroupBackend as TorchProcessGroupBackend
 from polydist_torch._multi_worker import shutdown as shutdown_multi_worker
@@ -50,6 +58,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DistributedModule",
+    "DistributedOptimizer",
     "MAX_VIRTUAL_CPU_REPLICAS",
     "MultiWorkerMirroredStrategy",
     "Reduction",
@@ -58,6 +68,8 @@ __all__ = [
     "TorchReplicaChannel",
     "XLA_UNSUPPORTED",
     "XlaSpmdBackend",
+    "distribute_module",
+    "distribute_optimizer",
     "parameters",
     "shutdown_multi_worker",
     "torch_device",

@@ -1,0 +1,746 @@
+"""``torch.nn`` modules and ``torch.optim`` optimizers as distributed state.
+
+:func:`distribute_module` is what building a Keras model under
+``strategy.scope()`` is in TF: every parameter of the module becomes a
+``MirroredVariable`` (one copy per replica, named by its ``state_dict`` key)
+and every persistent buffer a ``SyncOnReadVariable`` (TF's rule for Keras
+BatchNormalization's moving statistics: ``MEAN`` for floating-point buffers,
+``ONLY_FIRST_REPLICA`` for the others, such as ``num_batches_tracked``). The
+library keeps one copy of the module per replica (the user's module is replica
+0's); the copies' parameters and buffers *are* the variables' storage. Inside
+``strategy.run`` the returned module computes with the replica's own copy.
+
+:func:`distribute_optimizer` wraps one ordinary ``torch.optim`` optimizer built
+over ``model.parameters()`` and keeps one copy of it per replica (the user's
+optimizer is replica 0's). Its ``step()`` in replica context first sums every
+parameter's gradient across the replicas (one ``all_reduce``) and then steps
+the replica's copy, as TF's ``optimizer.apply_gradients`` does in replica
+context. Every replica then applies the same update from the same state, so
+the copies stay bitwise identical.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+import polydist as pd
+from polydist import _context
+from polydist._variables import swap_storage
+from polydist_torch._backend import TorchBackend
+
+__all__ = [
+    "DistributedModule",
+    "DistributedOptimizer",
+    "distribute_module",
+    "distribute_optimizer",
+]
+
+# Replica 0's parameters -> their DistributedModule (weakly both ways: tensors hash by
+# identity here, and the module owns the parameters).
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _owner(p: torch.Tensor, replica: int = 0) -> DistributedModule | None:
+    """The DistributedModule that ``p`` is replica ``replica``'s copy of a parameter of."""
+    entry = _OWNERS.get(p)  # type: ignore[no-untyped-call]
+    if entry is None or entry[1] != replica:
+        return None
+    owner: DistributedModule | None = entry[0]()
+    return owner
+
+
+def _strategy_for(strategy: pd.Strategy | None, what: str) -> pd.Strategy:
+    if strategy is None:
+        if not pd.has_strategy():
+            raise RuntimeError(
+                f"{what} needs a strategy: call it inside `with strategy.scope():` (as a Keras "
+                "model is built there in TF) or pass strategy=..."
+            )
+        strategy = pd.get_strategy()
+    elif not isinstance(strategy, pd.Strategy):
+        raise TypeError(f"{what}: strategy must be a polydist Strategy, got {strategy!r}.")
+    if not isinstance(strategy.extended._backend, TorchBackend):
+        backend = strategy.extended._backend
+        raise TypeError(
+            f"{what} works with strategies of the torch backend (backend='torch'); "
+            f"{strategy!r} runs on {getattr(backend, 'name', backend)!r}."
+        )
+    if pd.has_strategy() and pd.get_replica_context() is not None:
+        raise RuntimeError(
+            f"{what} must be called outside strategy.run (in cross-replica context), once, "
+            "before training; pass the result into the run, or capture it."
+        )
+    return strategy
+
+
+def _replica_index(strategy: pd.Strategy, what: str) -> int | None:
+    """This replica's index among the strategy's local replicas, ``None`` outside ``run``."""
+    if not pd.has_strategy():
+        return None
+    mode = _context.current_mode()
+    ctx = mode.replica_context
+    if ctx is None:
+        return None
+    if mode.strategy is not strategy:
+        raise RuntimeError(
+            f"{what} belongs to {strategy!r} but is used inside a run of {mode.strategy!r}; "
+            "use it with the strategy it was distributed with."
+        )
+    index = ctx._replica_index
+    if index is None:
+        raise NotImplementedError(
+            f"{what} needs a replica with a Python index (the eager torch backend); a compiled "
+            "SPMD replica context (torch_xla) cannot run per-replica modules."
+        )
+    return int(index)
+
+
+def _components(variable: Any) -> tuple[Any, ...]:
+    if isinstance(variable, pd.DistributedValues):
+        return tuple(variable.values)
+    return (variable,)
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _owning(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    """The submodule that holds ``dotted`` (a state_dict key) and its attribute name."""
+    path, _, attr = dotted.rpartition(".")
+    return (module.get_submodule(path) if path else module), attr
+
+
+def _slot(module: nn.Module, dotted: str, kind: str) -> torch.Tensor:
+    owner, attr = _owning(module, dotted)
+    tensor = getattr(owner, kind)[attr]
+    assert isinstance(tensor, torch.Tensor)
+    return tensor
+
+
+class DistributedModule(nn.Module):
+    """An ``nn.Module`` whose parameters and buffers are polydist distributed variables.
+
+    Made by :func:`distribute_module`. Inside ``strategy.run`` calling it runs
+    the replica's own copy of the wrapped module; outside it runs replica 0's
+    copy (the wrapped module itself) with every ``SyncOnRead`` buffer read
+    across replicas (BatchNorm's running statistics averaged), as TF reads a
+    sync-on-read variable in cross-replica context.
+
+    ``model.module`` is the wrapped module (replica 0's copy), so
+    ``model.parameters()`` are replica 0's parameters: build the optimizer on
+    them and wrap it with :func:`distribute_optimizer`. ``variables`` and
+    ``trainable_variables`` list the polydist variables, as in Keras.
+    ``state_dict()`` has the wrapped module's keys (no ``module.`` prefix), so
+    it loads into a plain module too; ``load_state_dict`` writes every replica.
+    """
+
+    module: nn.Module
+
+    def __init__(self, module: nn.Module, strategy: pd.Strategy, name: str | None) -> None:
+        super().__init__()
+        what = "polydist_torch.distribute_module"
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{what} takes a torch.nn.Module, got {type(module).__name__}.")
+        if isinstance(module, DistributedModule):
+            raise TypeError(f"{what}: {module!r} is already distributed.")
+        self.module = module
+        prefix = f"{name}/" if name else ""
+        devices = [_device_of(d) for d in _local_devices(strategy)]
+        replicas = [module.to(devices[0])]
+        for device in devices[1:]:
+            replicas.append(copy.deepcopy(module).to(device))
+        variables: OrderedDict[str, Any] = OrderedDict()
+        buffer_slots: list[tuple[str, Any]] = []
+        keys = set(module.state_dict(keep_vars=True))
+        with strategy.scope():
+            for key, param in module.named_parameters():
+                for m in replicas:
+                    owner, attr = _owning(m, key)
+                    if owner._parameters.get(attr) is None:  # replaced by a hook or a tie
+                        raise TypeError(f"{what}: cannot find parameter {key!r} in a copy.")
+                v = pd.Variable(
+                    param.detach(),
+                    name=prefix + key,
+                    trainable=param.requires_grad,
+                )
+                copies = [_slot(m, key, "_parameters") for m in replicas]
+                self._adopt(v, copies, key)
+                variables[key] = v
+            for key, buf in module.named_buffers():
+                if key not in keys or buf is None:
+                    continue  # non-persistent buffers are each replica's own working state
+                sync = pd.VariableSynchronization.ON_READ
+                agg = (
+                    pd.VariableAggregation.MEAN
+                    if buf.is_floating_point()
+                    else pd.VariableAggregation.ONLY_FIRST_REPLICA
+                )
+                v = pd.Variable(
+                    buf.detach(),
+                    name=prefix + key,
+                    trainable=False,
+                    synchronization=sync,
+                    aggregation=agg,
+                )
+                copies = [_slot(m, key, "_buffers") for m in replicas]
+                self._adopt(v, copies, key)
+                variables[key] = v
+                buffer_slots.append((key, v))
+        # Plain attributes, not submodules: nn.Module's recursion (parameters(),
+        # state_dict(), train()) must see replica 0's copy only, through self.module.
+        object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "_replicas", tuple(replicas))
+        object.__setattr__(self, "_variables", variables)
+        object.__setattr__(self, "_buffer_slots", tuple(buffer_slots))
+        for r, m in enumerate(replicas):
+            for p in m.parameters():
+                _OWNERS[p] = (weakref.ref(self), r)
+
+    @staticmethod
+    def _adopt(variable: Any, copies: list[torch.Tensor], key: str) -> None:
+        """Makes each replica's tensor the storage of the variable's copy, with its value."""
+        comps = _components(variable)
+        if len(comps) != len(copies):
+            raise RuntimeError(
+                f"polydist_torch.distribute_module: variable {key!r} has {len(comps)} copies "
+                f"but the strategy has {len(copies)} local replicas."
+            )
+        with torch.no_grad():
+            for c, t in zip(comps, copies):
+                value = c._read_storage()
+                if value is not t:
+                    t.copy_(value)  # the variable's value (the same on every copy)
+        swap_storage(variable, copies)
+
+    # -- what users see ------------------------------------------------------------------
+    @property
+    def strategy(self) -> pd.Strategy:
+        """The strategy whose replicas hold the copies."""
+        strategy: pd.Strategy = self._strategy
+        return strategy
+
+    @property
+    def replicas(self) -> tuple[nn.Module, ...]:
+        """The per-replica copies, in local replica order (``replicas[0] is module``)."""
+        replicas: tuple[nn.Module, ...] = self._replicas
+        return replicas
+
+    @property
+    def variables(self) -> list[Any]:
+        """Every variable (parameters, then persistent buffers), in ``state_dict`` order."""
+        return list(self._variables.values())
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        """The variables of parameters that require gradients."""
+        return [v for v in self._variables.values() if v.trainable]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "_replicas" not in self.__dict__:
+                raise
+        # The wrapped module's attributes (model.fc, model.running_mean): the replica's own
+        # copy's inside strategy.run, replica 0's outside.
+        r = _replica_index(self.strategy, "this DistributedModule")
+        if r is not None:
+            self._refresh_buffers(r)
+        return getattr(self._replicas[r or 0], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        r = _replica_index(self.strategy, "this DistributedModule")
+        if r is not None:
+            self._refresh_buffers(r)
+            return self._replicas[r](*args, **kwargs)
+        self._refresh_buffers(0)
+        with self._cross_replica_buffers():
+            return self.module(*args, **kwargs)
+
+    def _refresh_buffers(self, r: int) -> None:
+        # A polydist write (assign, checkpoint.restore) stores a new tensor: point the
+        # module at whatever the variable holds now. In-place updates (BatchNorm's
+        # running statistics) write into that same tensor.
+        for key, v in self._buffer_slots:
+            owner, attr = _owning(self._replicas[r], key)
+            stored = _components(v)[r]._read_storage()
+            if owner._buffers.get(attr) is not stored:
+                owner._buffers[attr] = stored
+
+    @contextmanager
+    def _cross_replica_buffers(self) -> Iterator[None]:
+        """Replica 0's buffers hold copies of their cross-replica values meanwhile."""
+        # Copies (read_value), so a training-mode forward here changes no replica's buffers.
+        swapped = []
+        for key, v in self._buffer_slots:
+            owner, attr = _owning(self.module, key)
+            swapped.append((owner, attr, owner._buffers[attr]))
+            owner._buffers[attr] = _aggregate(v)
+        try:
+            yield
+        finally:
+            for owner, attr, original in swapped:
+                owner._buffers[attr] = original
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Replica 0's parameters; inside ``strategy.run``, the replica's own copy's."""
+        r = _replica_index(self.strategy, "this DistributedModule")
+        if r is None or not recurse:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        inner = f"{prefix}.module" if prefix else "module"
+        replica: nn.Module = self._replicas[r]
+        return replica.named_parameters(inner, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Replica 0's buffers; inside ``strategy.run``, the replica's own copy's."""
+        r = _replica_index(self.strategy, "this DistributedModule")
+        if r is None or not recurse:
+            return super().named_buffers(prefix, recurse, remove_duplicate)
+        self._refresh_buffers(r)
+        inner = f"{prefix}.module" if prefix else "module"
+        replica: nn.Module = self._replicas[r]
+        return replica.named_buffers(inner, recurse, remove_duplicate)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the replica's gradients inside ``strategy.run``, every replica's outside."""
+        r = _replica_index(self.strategy, "this DistributedModule")
+        for m in self._replicas if r is None else (self._replicas[r],):
+            m.zero_grad(set_to_none)
+
+    def train(self, mode: bool = True) -> DistributedModule:
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        self.training = mode
+        for m in self._replicas:
+            m.train(mode)
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> DistributedModule:
+        """Sets ``requires_grad`` on every replica's copy (to freeze layers, call it on
+        ``model.replicas``' submodules alike, or before distributing)."""
+        for m in self._replicas:
+            m.requires_grad_(requires_grad)
+        return self
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> DistributedModule:
+        raise RuntimeError(
+            "DistributedModule.apply would run fn on replica 0's copy only (and a random "
+            "initializer would give every replica different weights): initialize the module "
+            "before polydist_torch.distribute_module, or write new values with "
+            "model.load_state_dict(...) or variable.assign(...), which reach every replica."
+        )
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> DistributedModule:
+        raise RuntimeError(
+            "A DistributedModule's copies live on the strategy's devices, one per replica, and "
+            "must keep one dtype: convert the module (.to(dtype), .double(), ...) before "
+            "polydist_torch.distribute_module, and let the strategy place it."
+        )
+
+    # -- state_dict ----------------------------------------------------------------------
+    def state_dict(
+        self,
+        *args: Any,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> Any:
+        """The wrapped module's ``state_dict`` with cross-replica values.
+
+        Parameters are replica 0's (every replica holds the same); a buffer is
+        its variable's cross-replica value (the mean over replicas for floating
+        point buffers). Inside ``strategy.run`` it is the replica's own copy's.
+        """
+        if args:
+            raise TypeError("DistributedModule.state_dict takes keyword arguments only.")
+        r = _replica_index(self.strategy, "this DistributedModule")
+        if r is not None:
+            self._refresh_buffers(r)
+            return self._replicas[r].state_dict(
+                destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
+        self._refresh_buffers(0)
+        with self._cross_replica_buffers():
+            return self.module.state_dict(
+                destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Loads ``state_dict`` (the wrapped module's keys) into every replica's copy."""
+        if assign:
+            raise ValueError(
+                "DistributedModule.load_state_dict(assign=True) would replace the parameters "
+                "that are the variables' storage; load with assign=False (values are copied)."
+            )
+        if _replica_index(self.strategy, "this DistributedModule") is not None:
+            raise RuntimeError(
+                "DistributedModule.load_state_dict writes every replica's copy: call it "
+                "outside strategy.run."
+            )
+        result = None
+        for r, m in enumerate(self._replicas):
+            self._refresh_buffers(r)
+            loaded = m.load_state_dict(state_dict, strict=strict)
+            result = loaded if result is None else result
+        return result
+
+    def extra_repr(self) -> str:
+        return f"replicas={len(self._replicas)}"
+
+
+def _aggregate(v: Any) -> torch.Tensor:
+    value = v.read_value()
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+def _local_devices(strategy: pd.Strategy) -> list[str]:
+    try:
+        devices = list(strategy.extended.worker_devices)
+    except RuntimeError:
+        devices = []
+    if not devices:
+        raise ValueError(f"polydist_torch.distribute_module: {strategy!r} has no devices.")
+    return devices
+
+
+def _device_of(device: str) -> torch.device:
+    from polydist_torch._devices import torch_device
+
+    return torch_device(device)
+
+
+def distribute_module(
+    module: nn.Module, strategy: pd.Strategy | None = None, *, name: str | None = None
+) -> DistributedModule:
+    """Makes ``module``'s parameters and buffers distributed variables of ``strategy``.
+
+    TF builds a Keras model under ``strategy.scope()`` to get mirrored
+    variables; torch has no hook for creating modules, so this is the one call.
+
+    Args:
+        module: the model, built as usual (any ``nn.Module``). It becomes
+            replica 0's copy and is moved to replica 0's device; the library
+            deep-copies it onto the other replicas' devices.
+        strategy: the strategy (default: the one whose ``scope()`` is entered).
+            Must use the torch backend (``TorchBackend``).
+        name: an optional prefix for the variables' names (``name/0.weight``),
+            to tell two models apart in one checkpoint of the strategy.
+
+    Returns:
+        A :class:`DistributedModule`. Call it as the module inside and outside
+        ``strategy.run``; build the optimizer on ``model.parameters()`` and wrap
+        it with :func:`distribute_optimizer`.
+
+    Every parameter becomes a ``MirroredVariable`` named by its ``state_dict``
+    key (trainable if it requires gradients); every persistent buffer a
+    ``SyncOnReadVariable`` (``MEAN`` if floating-point, else
+    ``ONLY_FIRST_REPLICA``), as Keras makes BatchNormalization's moving
+    statistics. Convert dtypes before the call (``.double()``); moving the
+    distributed module (``.to()``) is refused, as the strategy places it.
+    """
+    chosen = _strategy_for(strategy, "polydist_torch.distribute_module")
+    return DistributedModule(module, chosen, name)
+
+
+def _init_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor takes (AdamW's defaults hold
+    ``decoupled_weight_decay``, which only Adam's constructor takes); every param group
+    carries all of them anyway."""
+    try:
+        parameters = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return dict(optimizer.defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in parameters}
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """One logical ``torch.optim`` optimizer over a :class:`DistributedModule`'s replicas.
+
+    Made by :func:`distribute_optimizer`. ``param_groups``, ``state`` and
+    ``defaults`` are the wrapped optimizer's (replica 0's; inside
+    ``strategy.run``, ``param_groups`` and ``state`` are the replica's own
+    copy's), so learning-rate schedulers and ``for g in opt.param_groups:
+    g["lr"] = ...`` work; every replica's copy takes the hyperparameters from
+    replica 0's at each ``step``.
+
+    Inside ``strategy.run``: ``zero_grad()`` clears the replica's gradients;
+    ``step()`` all-reduces (SUM) the gradients, unless
+    :meth:`all_reduce_gradients` already did in this step, and steps the
+    replica's copy. Outside ``run``: ``zero_grad()`` clears every replica's
+    gradients, ``state_dict()`` is replica 0's (torch's own format; every
+    replica holds the same), ``load_state_dict`` loads into every replica.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        # Optimizer.__init__ is not called: the param groups and state are the wrapped
+        # optimizer's, not this object's own.
+        what = "polydist_torch.distribute_optimizer"
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError(f"{what}: {optimizer!r} is already distributed.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{what} takes a torch.optim.Optimizer built on model.parameters(), got "
+                f"{type(optimizer).__name__}."
+            )
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        owners = {id(o): o for p in params if (o := _owner(p)) is not None}
+        strays = [p for p in params if _owner(p) is None]
+        if any(_OWNERS.get(p) is not None for p in strays):  # type: ignore[no-untyped-call]
+            raise ValueError(
+                f"{what}: the optimizer holds parameters of a replica other than replica 0; "
+                "build it on model.parameters() (outside strategy.run)."
+            )
+        if strays or not owners:
+            shape = tuple(strays[0].shape) if strays else ()
+            raise ValueError(
+                f"{what}: the optimizer's parameters must be those of distributed modules "
+                f"(model.parameters() of polydist_torch.distribute_module(...)); "
+                f"{len(strays)} of {len(params)} are not (the first has shape {shape}). Build "
+                "the optimizer after distributing the model, on model.parameters()."
+            )
+        modules = list(owners.values())
+        strategy = modules[0].strategy
+        if any(m.strategy is not strategy for m in modules):
+            raise ValueError(f"{what}: the parameters belong to modules of different strategies.")
+        # Each replica-0 parameter -> its copy on every replica.
+        copies: dict[torch.Tensor, list[torch.Tensor]] = {}
+        for m in modules:
+            lists = [list(rm.parameters()) for rm in m.replicas]
+            for k, p in enumerate(lists[0]):
+                copies[p] = [ps[k] for ps in lists]
+        replicas = [optimizer]
+        for r in range(1, len(modules[0].replicas)):
+            groups = []
+            for g in optimizer.param_groups:
+                group = {k: v for k, v in g.items() if k != "params"}
+                group["params"] = [copies[p][r] for p in g["params"]]
+                groups.append(group)
+            try:
+                clone = type(optimizer)(groups, **_init_arguments(optimizer))
+            except TypeError as e:
+                raise TypeError(
+                    f"{what}: cannot build a copy of {type(optimizer).__name__} per replica "
+                    f"as type(optimizer)(param_groups, **optimizer.defaults): {e}"
+                ) from e
+            clone.defaults = dict(optimizer.defaults)
+            replicas.append(clone)
+        if optimizer.state:
+            # State made by the constructor (Adagrad's sums) or by earlier steps: the same
+            # on every copy, on its replica's device.
+            for opt in replicas[1:]:
+                opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        self._strategy = strategy
+        self._replicas = tuple(replicas)
+        self._reduced: dict[int, bool] = {}
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+
+    # The wrapped optimizer's, so schedulers and hyperparameter edits reach it.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._current().param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._read_only("param_groups")
+
+    @property
+    def state(self) -> Any:
+        return self._current().state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._read_only("state")
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self._replicas[0].defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._read_only("defaults")
+
+    @staticmethod
+    def _read_only(name: str) -> None:
+        raise AttributeError(
+            f"DistributedOptimizer.{name} is the wrapped optimizer's; change its contents "
+            "(opt.param_groups[0]['lr'] = ...) or load a state_dict, not the attribute."
+        )
+
+    def _current(self) -> torch.optim.Optimizer:
+        # Inside strategy.run the replica's own copy, so code that walks
+        # opt.param_groups there sees its own parameters and gradients.
+        return self._replicas[self._index() or 0]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer (replica 0's copy)."""
+        return self._replicas[0]
+
+    @property
+    def replicas(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The per-replica copies, in local replica order (``replicas[0] is optimizer``)."""
+        return self._replicas
+
+    def __repr__(self) -> str:
+        replicas = self.__dict__.get("_replicas", ())
+        inner = repr(replicas[0]) if replicas else "(not built)"
+        return f"DistributedOptimizer({inner}, replicas={len(replicas)})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "A DistributedOptimizer cannot be pickled; save opt.state_dict() (or use "
+            "polydist.train.Checkpoint(optimizer=opt))."
+        )
+
+    def _index(self) -> int | None:
+        return _replica_index(self._strategy, "this DistributedOptimizer")
+
+    def _params(self, r: int) -> list[torch.Tensor]:
+        return [p for g in self._replicas[r].param_groups for p in g["params"]]
+
+    def all_reduce_gradients(self) -> None:
+        """Sums the replica's gradients across replicas (once per step; replica context).
+
+        ``step()`` calls it; call it yourself to see the global gradients
+        before the step (to clip them: ``torch.nn.utils.clip_grad_norm_``).
+        A parameter without a gradient on some replicas counts zero there;
+        one without a gradient on every replica keeps ``grad=None`` (the
+        optimizer skips it, as without polydist).
+        """
+        r = self._index()
+        if r is None:
+            raise RuntimeError(
+                "DistributedOptimizer.all_reduce_gradients sums gradients across replicas: "
+                "call it inside strategy.run, on every replica."
+            )
+        if self._reduced.get(r):
+            return
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        params = self._params(r)
+        if not params:
+            self._reduced[r] = True
+            return
+        has_grad = torch.tensor(
+            [p.grad is not None for p in params], dtype=torch.int32, device=params[0].device
+        )
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if any(g.is_sparse for g in grads):
+            raise NotImplementedError(
+                "DistributedOptimizer: sparse gradients (nn.Embedding(sparse=True)) cannot be "
+                "all-reduced yet; use dense gradients."
+            )
+        summed = ctx.all_reduce(pd.ReduceOp.SUM, [has_grad, *(g.detach() for g in grads)])
+        counts = summed[0].tolist()
+        with torch.no_grad():
+            for p, count, total in zip(params, counts, summed[1:]):
+                if count == 0:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = total.detach().to(p.device).clone()
+                else:
+                    p.grad.copy_(total)
+        self._reduced[r] = True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """All-reduces the gradients (SUM) and steps this replica's copy (replica context)."""
+        r = self._index()
+        if r is None:
+            raise RuntimeError(
+                "DistributedOptimizer.step() sums the gradients across replicas, so it runs "
+                "inside strategy.run, on every replica, after loss.backward() (as TF's "
+                "optimizer.apply_gradients in replica context)."
+            )
+        if closure is not None:
+            raise NotImplementedError(
+                "DistributedOptimizer.step(closure) is not supported: a closure would "
+                "recompute the loss after the gradients were summed."
+            )
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        self.all_reduce_gradients()
+        replica = self._replicas[r]
+        if r:
+            # Hyperparameters (lr, ...) come from the wrapped optimizer's groups; a change
+            # made inside run to another replica's copy does not count.
+            for mine, main in zip(replica.param_groups, self._replicas[0].param_groups):
+                for k, v in main.items():
+                    if k != "params":
+                        mine[k] = v
+        loss = replica.step()
+        self._reduced[r] = False
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        r = self._index()
+        chosen = self._replicas if r is None else (self._replicas[r],)
+        for opt in chosen:
+            opt.zero_grad(set_to_none=set_to_none)
+        for i in range(len(self._replicas)) if r is None else (r,):
+            self._reduced[i] = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Replica 0's ``state_dict`` (torch's format; every replica holds the same)."""
+        if self._index() is not None:
+            raise RuntimeError("DistributedOptimizer.state_dict(): call it outside strategy.run.")
+        return self._replicas[0].state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads ``state_dict`` (torch's format) into every replica's copy."""
+        if self._index() is not None:
+            raise RuntimeError(
+                "DistributedOptimizer.load_state_dict(): call it outside strategy.run."
+            )
+        for opt in self._replicas:
+            # torch keeps references into the dict it loads: give each copy its own.
+            opt.load_state_dict(copy.deepcopy(state_dict))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "DistributedOptimizer.add_param_group: add the group to the optimizer before "
+            "polydist_torch.distribute_optimizer."
+        )
+
+
+def distribute_optimizer(optimizer: torch.optim.Optimizer) -> DistributedOptimizer:
+    """One ``torch.optim`` optimizer that steps every replica's copy of a distributed module.
+
+    Build the optimizer as usual on ``model.parameters()`` of a
+    :class:`DistributedModule` (replica 0's parameters), then wrap it::
+
+        opt = polydist_torch.distribute_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+
+    The library makes one copy per replica (``type(optimizer)(param_groups,
+    **defaults)``, with the defaults its constructor takes, as every
+    ``torch.optim`` optimizer allows) and gives it the optimizer's state, if it
+    has any (Adagrad's sums, or earlier steps). In
+    ``strategy.run``, ``opt.step()`` sums the gradients across replicas and
+    then steps the replica's copy: so scale the loss as TF does, by the
+    *global* batch size (``polydist.nn.compute_average_loss``), not with a
+    per-replica mean.
+    """
+    return DistributedOptimizer(optimizer)

@@ -1,0 +1,519 @@
+"""distribute_module / distribute_optimizer: one nn.Module and one torch.optim optimizer in run."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import polydist as pd
+import polydist_torch
+from polydist_torch import DistributedModule, DistributedOptimizer
+
+# N-replica training sums per-replica gradients where one device computes the whole
+# batch at once: only the float32 rounding differs (docs/frameworks/torch.md states it).
+RTOL, ATOL = 1e-5, 1e-6
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+
+
+def cpu_strategy(n: int) -> pd.Strategy:
+    return pd.MirroredStrategy([f"/cpu:{i}" for i in range(n)], backend="torch")
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def make_loader(examples: int = 33, batch: int = 8) -> DataLoader[Any]:
+    # 33 examples in batches of 8: the last batch has one example, so with 3 or 4
+    # replicas some replicas get none.
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(examples, 6, generator=g)
+    y = torch.randint(0, 3, (examples,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch)
+
+
+def per_example_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def distributed_step(model: Any, opt: Any) -> Callable[..., Any]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # The true global count, so a partial last batch is scaled right.
+        loss = pd.nn.compute_average_loss_exact(per_example_loss(model, x, y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def optimizer_states_identical(opt: DistributedOptimizer) -> None:
+    first = opt.replicas[0].state_dict()
+    for other in opt.replicas[1:]:
+        state = other.state_dict()
+        assert state["param_groups"] == first["param_groups"]
+        for k, per_param in first["state"].items():
+            for name, value in per_param.items():
+                assert torch.equal(state["state"][k][name], value), (k, name)
+
+
+def reference_training(opt_name: str, epochs: int = 1) -> list[torch.Tensor]:
+    model = make_model()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    for _ in range(epochs):
+        for x, y in make_loader():
+            loss = per_example_loss(model, x, y).sum() / x.shape[0]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_training_matches_single_device(replicas: int, opt_name: str) -> None:
+    strategy = cpu_strategy(replicas)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+        opt = polydist_torch.distribute_optimizer(OPTIMIZERS[opt_name](model.parameters()))
+    step = distributed_step(model, opt)
+    losses = []
+    for x, y in strategy.experimental_distribute_dataset(make_loader()):
+        losses.append(strategy.reduce("SUM", strategy.run(step, args=(x, y)), axis=None))
+        # After every step: every replica's weights and optimizer state bit for bit equal.
+        assert pd.debugging.check_replicas_identical(strategy) == 4
+        optimizer_states_identical(opt)
+    assert len(losses) == 5
+    expected = reference_training(opt_name)
+    got = [p.detach() for p in model.parameters()]
+    assert any(not torch.equal(p, q) for p, q in zip(got, make_model().parameters()))  # trained
+    for p, q in zip(got, expected):
+        if replicas == 1:
+            assert torch.equal(p, q)  # one replica: the same arithmetic
+        else:
+            torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    for r, copy_r in enumerate(model.replicas):
+        for p, q in zip(copy_r.parameters(), got):
+            assert torch.equal(p, q), r
+
+
+def test_variables_are_mirrored_and_named_by_state_dict_keys() -> None:
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(
+            nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), name="net"
+        )
+    names = [v.name for v in model.variables]
+    assert names == [
+        "net/0.weight:0",
+        "net/0.bias:0",
+        "net/1.weight:0",
+        "net/1.bias:0",
+        "net/1.running_mean:0",
+        "net/1.running_var:0",
+        "net/1.num_batches_tracked:0",
+    ]
+    assert [v.name for v in model.trainable_variables] == names[:4]
+    assert all(isinstance(v, pd.MirroredVariable) for v in model.variables[:4])
+    assert all(isinstance(v, pd.SyncOnReadVariable) for v in model.variables[4:])
+    assert [v.aggregation for v in model.variables[4:]] == [
+        pd.VariableAggregation.MEAN,
+        pd.VariableAggregation.MEAN,
+        pd.VariableAggregation.ONLY_FIRST_REPLICA,
+    ]
+    # The copies are the variables' storage: a polydist write reaches every replica.
+    w = model.variables[0]
+    w.assign(torch.ones(4, 3))
+    for m in model.replicas:
+        assert torch.equal(m[0].weight.detach(), torch.ones(4, 3))
+    assert model.replicas[0] is model.module
+
+
+def test_batchnorm_buffers_are_sync_on_read_means() -> None:
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.BatchNorm1d(2, momentum=1.0))
+    x = pd.PerReplica(
+        [torch.tensor([[0.0, 1.0], [2.0, 3.0]]), torch.tensor([[4.0, 5.0], [6.0, 9.0]])]
+    )
+    strategy.run(lambda x: model(x), args=(x,))
+    # momentum=1: each replica's running mean is its own batch's mean.
+    assert model.replicas[0].running_mean.tolist() == [1.0, 2.0]
+    assert model.replicas[1].running_mean.tolist() == [5.0, 7.0]
+    state = model.state_dict()
+    assert state["running_mean"].tolist() == [3.0, 4.5]  # TF: the mean across replicas
+    assert state["num_batches_tracked"].item() == 1
+    assert set(state) == {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+    # Outside run, evaluation uses the cross-replica statistics.
+    model.eval()
+    out = model(torch.tensor([[3.0, 4.5]]))
+    assert torch.allclose(out, torch.zeros(1, 2), atol=1e-6)
+    assert model.replicas[0].running_mean.tolist() == [1.0, 2.0]  # left as it was
+    model.train()
+    model(torch.tensor([[30.0, 40.0], [50.0, 60.0]]))  # outside run: updates nothing
+    assert model.replicas[0].running_mean.tolist() == [1.0, 2.0]
+    assert [int(m.num_batches_tracked) for m in model.replicas] == [1, 1]
+    # Loading writes every replica.
+    state["running_mean"] = torch.tensor([7.0, 8.0])
+    model.load_state_dict(state)
+    for m in model.replicas:
+        assert m.running_mean.tolist() == [7.0, 8.0]
+    assert model.variables[2].read_value().tolist() == [7.0, 8.0]
+    # A polydist write replaces the stored tensor; the module follows it.
+    model.variables[2].assign(torch.tensor([1.0, 1.0]))
+    outs = strategy.run(lambda: model.running_mean.clone())
+    assert [o.tolist() for o in outs.values] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_state_dicts_restore_into_fresh_objects_bitwise() -> None:
+    strategy = cpu_strategy(3)
+    loader = list(make_loader())
+
+    def build() -> tuple[DistributedModule, DistributedOptimizer]:
+        with strategy.scope():
+            m = polydist_torch.distribute_module(make_model())
+            o = polydist_torch.distribute_optimizer(torch.optim.Adam(m.parameters(), lr=0.01))
+        return m, o
+
+    model, opt = build()
+    step = distributed_step(model, opt)
+    batches = list(strategy.experimental_distribute_dataset(loader))
+    for x, y in batches[:2]:
+        strategy.run(step, args=(x, y))
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    strategy.run(step, args=batches[2])
+    continued = [p.detach().clone() for p in model.parameters()]
+
+    fresh_model, fresh_opt = build()
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    fresh_model.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["opt"])
+    optimizer_states_identical(fresh_opt)
+    strategy.run(distributed_step(fresh_model, fresh_opt), args=batches[2])
+    for p, q in zip(fresh_model.parameters(), continued):
+        assert torch.equal(p.detach(), q)
+    pd.debugging.check_replicas_identical(strategy)
+    optimizer_states_identical(fresh_opt)
+    # torch's own format: the state loads into a plain module and optimizer too.
+    plain = make_model()
+    plain.load_state_dict(saved["model"])
+    torch.optim.Adam(plain.parameters(), lr=0.01).load_state_dict(saved["opt"])
+
+
+def test_polydist_checkpoint_restores_parameters_in_place(tmp_path: Any) -> None:
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+    saved = [p.detach().clone() for p in model.parameters()]
+    pd.checkpoint.save(tmp_path / "ckpt", strategy)
+    with torch.no_grad():
+        for m in model.replicas:
+            for p in m.parameters():
+                p.add_(1.0)
+    pd.checkpoint.restore(tmp_path / "ckpt", strategy)
+    for m in model.replicas:
+        for p, q in zip(m.parameters(), saved):
+            assert torch.equal(p.detach(), q)
+
+
+def test_scheduler_and_clipping_reach_every_replica() -> None:
+    def reference() -> list[torch.Tensor]:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for x, y in make_loader():
+            (per_example_loss(model, x, y).sum() / x.shape[0]).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        return [p.detach() for p in model.parameters()]
+
+    strategy = cpu_strategy(4)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        pd.nn.compute_average_loss_exact(per_example_loss(model, x, y)).backward()
+        opt.all_reduce_gradients()  # the global gradients, before clipping them
+        nn.utils.clip_grad_norm_(model.parameters(), 0.1)  # this replica's copy
+        opt.step()  # does not sum again
+        opt.zero_grad()
+
+    for x, y in strategy.experimental_distribute_dataset(make_loader()):
+        strategy.run(step, args=(x, y))
+        sched.step()
+    # Copies take the hyperparameters at each step: the 5 steps used lr 0.5 ... 0.5 / 16.
+    assert opt.param_groups[0]["lr"] == 0.5 / 32
+    assert [r.param_groups[0]["lr"] for r in opt.replicas[1:]] == [0.5 / 16] * 3
+    pd.debugging.check_replicas_identical(strategy)
+    for p, q in zip(model.parameters(), reference()):
+        torch.testing.assert_close(p.detach(), q, rtol=RTOL, atol=ATOL)
+
+
+def test_missing_gradients_count_as_zero_and_none_everywhere_is_skipped() -> None:
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.ModuleList([nn.Linear(2, 1), nn.Linear(2, 1)]))
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def step() -> None:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        first = model.replicas[ctx._replica_index][0]
+        # Only replica 0 uses layer 0's weight; nobody uses layer 1.
+        scale = 1.0 if ctx._replica_index == 0 else 0.0
+        out = first(torch.ones(1, 2)).sum() * scale if scale else first.bias.sum()
+        out.backward()
+        opt.step()
+
+    strategy.run(step)
+    w0, b0, w1, b1 = model.parameters()
+    assert torch.equal(w0.detach(), before[0] - 1.0)  # replica 0's gradient, replica 1's zero
+    assert torch.equal(b0.detach(), before[1] - 2.0)  # both replicas: 1 + 1
+    assert torch.equal(w1.detach(), before[2]) and torch.equal(b1.detach(), before[3])
+    assert w1.grad is None
+    pd.debugging.check_replicas_identical(strategy)
+
+
+def test_bad_uses_raise_clear_errors() -> None:
+    with pytest.raises(RuntimeError, match=r"strategy\.scope\(\)"):
+        polydist_torch.distribute_module(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="torch backend"):
+        polydist_torch.distribute_module(nn.Linear(2, 2), pd.MirroredStrategy(2, backend="sim"))
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="already distributed"):
+        polydist_torch.distribute_module(model, strategy)
+    with pytest.raises(ValueError, match="must be those of distributed modules"):
+        polydist_torch.distribute_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1))
+    with pytest.raises(ValueError, match="replica other than replica 0"):
+        polydist_torch.distribute_optimizer(torch.optim.SGD(model.replicas[1].parameters(), lr=1.0))
+    with pytest.raises(RuntimeError, match="before\npolydist_torch|before polydist_torch"):
+        model.double()
+    with pytest.raises(RuntimeError, match="initialize the module before"):
+        model.apply(lambda m: None)
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    with pytest.raises(RuntimeError, match="inside strategy.run"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="outside strategy.run"):
+        strategy.run(lambda: model.load_state_dict(model.replicas[0].state_dict()))
+    with pytest.raises(RuntimeError, match="outside strategy.run"):
+        strategy.run(lambda: polydist_torch.distribute_module(nn.Linear(2, 2)))
+    other = cpu_strategy(2)
+    with pytest.raises(RuntimeError, match="belongs to"):
+        other.run(lambda: model(torch.ones(1, 2)))
+
+
+def test_inside_run_parameters_and_zero_grad_are_the_replicas_own() -> None:
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.Linear(2, 1))
+
+    def fn() -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        mine = list(model.parameters())
+        names = [n for n, _ in model.named_parameters()]
+        own = list(model.replicas[ctx._replica_index].parameters())
+        return torch.tensor(all(p is q for p, q in zip(mine, own))), names
+
+    same, names = strategy.run(fn)
+    assert [bool(s) for s in strategy.experimental_local_results(same)] == [True, True]
+    assert [strategy.experimental_local_results(n) for n in names] == [
+        ("module.weight",) * 2,
+        ("module.bias",) * 2,
+    ]
+    for m in model.replicas:
+        m.weight.grad = torch.ones(1, 2)
+    strategy.run(lambda: model.zero_grad() if pd.get_replica_context()._replica_index else None)  # type: ignore[union-attr]
+    assert model.replicas[0].weight.grad is not None and model.replicas[1].weight.grad is None
+    model.zero_grad()
+    assert model.replicas[0].weight.grad is None
+    model.requires_grad_(False)
+    assert not any(p.requires_grad for m in model.replicas for p in m.parameters())
+
+
+def test_numpy_view_of_variables_matches_parameters() -> None:
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.Linear(2, 2))
+    for v, p in zip(model.variables, model.parameters()):
+        np.testing.assert_array_equal(v.numpy(), p.detach().numpy())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="torchrun on POSIX")
+def test_multi_worker_training_matches_single_device(tmp_path: Path) -> None:
+    """2 worker processes x 2 replicas (torchrun, gloo): the workers' weights are
+    bitwise equal, and equal single-device training up to float32 rounding."""
+    program = Path(__file__).resolve().parent / "mw_modules.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "RANK", "WORLD_SIZE")}
+    env.update(CUDA_VISIBLE_DEVICES="", TORCH_CPP_LOG_LEVEL="ERROR")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    done = subprocess.run(
+        [*torchrun, "--nproc-per-node=2", str(program), str(tmp_path)],
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    workers = [torch.load(tmp_path / f"worker{w}.pt") for w in range(2)]
+    assert workers[0].keys() == workers[1].keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for k, v in workers[0].items():
+        assert torch.equal(v, workers[1][k]), k
+
+    sys.path.insert(0, str(program.parent))
+    try:
+        import mw_modules
+    finally:
+        sys.path.remove(str(program.parent))
+    model = mw_modules.make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for x, y in mw_modules.batches():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(workers[0][k], v, rtol=RTOL, atol=ATOL)
+
+
+def test_inside_run_param_groups_are_the_replicas_own() -> None:
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.Linear(2, 1))
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+    def fn() -> torch.Tensor:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        mine = opt.param_groups[0]["params"]
+        own = list(model.replicas[ctx._replica_index].parameters())
+        return torch.tensor(all(p is q for p, q in zip(mine, own, strict=True)))
+
+    assert [bool(v) for v in strategy.experimental_local_results(strategy.run(fn))] == [True] * 2
+    assert opt.param_groups is opt.optimizer.param_groups  # outside run: replica 0's
+
+
+def test_train_checkpoint_restores_model_and_optimizer_into_fresh_ones(tmp_path: Path) -> None:
+    """polydist.train.Checkpoint(model=..., optimizer=...) with a CheckpointManager: restored
+    into a fresh distributed model and optimizer, the next step is bitwise the original's."""
+    from polydist.train import Checkpoint, CheckpointManager
+
+    strategy = cpu_strategy(3)
+    batches = list(strategy.experimental_distribute_dataset(list(make_loader())))
+
+    def build() -> tuple[DistributedModule, DistributedOptimizer, Any]:
+        with strategy.scope():
+            m = polydist_torch.distribute_module(nn.Sequential(make_model(), nn.BatchNorm1d(3)))
+            o = polydist_torch.distribute_optimizer(torch.optim.Adam(m.parameters(), lr=0.01))
+        return m, o, Checkpoint(model=m, optimizer=o)
+
+    model, opt, ckpt = build()
+    manager = CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    step = distributed_step(model, opt)
+    for x, y in batches[:2]:
+        strategy.run(step, args=(x, y))
+    saved_at = manager.save()
+    strategy.run(step, args=batches[2])
+    continued = model.state_dict()
+
+    fresh_model, fresh_opt, fresh_ckpt = build()
+    assert manager.latest_checkpoint == saved_at
+    fresh_ckpt.restore(manager.latest_checkpoint).assert_consumed()
+    optimizer_states_identical(fresh_opt)
+    assert int(fresh_opt.state_dict()["state"][0]["step"]) == 2
+    strategy.run(distributed_step(fresh_model, fresh_opt), args=batches[2])
+    restored = fresh_model.state_dict()
+    assert continued.keys() == restored.keys()
+    for k, v in continued.items():
+        if "running" in k:
+            # A sync-on-read buffer is saved as its mean over the replicas (TF's rule) and
+            # restored into every replica: the mean after the next update is the same
+            # arithmetic in another order.
+            torch.testing.assert_close(restored[k], v, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(restored[k], v), k
+    pd.debugging.check_replicas_identical(strategy)
+    optimizer_states_identical(fresh_opt)
+    # Into another replica count, and into a plain module and optimizer (no strategy).
+    other = cpu_strategy(2)
+    with other.scope():
+        two = polydist_torch.distribute_module(nn.Sequential(make_model(), nn.BatchNorm1d(3)))
+        two_opt = polydist_torch.distribute_optimizer(torch.optim.Adam(two.parameters()))
+    Checkpoint(model=two, optimizer=two_opt).restore(saved_at).assert_consumed()
+    plain = nn.Sequential(make_model(), nn.BatchNorm1d(3))
+    plain_opt = torch.optim.Adam(plain.parameters())
+    Checkpoint(model=plain, optimizer=plain_opt).restore(saved_at).assert_consumed()
+    for k, v in plain.state_dict().items():
+        for r in two.replicas:
+            assert torch.equal(r.state_dict()[k], v), k
+    assert two_opt.replicas[1].state_dict()["param_groups"][0]["lr"] == 0.01
+    assert torch.equal(
+        plain_opt.state_dict()["state"][0]["exp_avg"],
+        two_opt.replicas[1].state_dict()["state"][0]["exp_avg"],
+    )
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+        lambda ps: torch.optim.Adamax(ps, lr=0.01),
+        lambda ps: torch.optim.NAdam(ps, lr=0.01),
+        lambda ps: torch.optim.RAdam(ps, lr=0.01),
+        lambda ps: torch.optim.Adadelta(ps),
+        lambda ps: torch.optim.ASGD(ps, lr=0.01),
+        lambda ps: torch.optim.Rprop(ps, lr=0.01),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, nesterov=True, momentum=0.9, foreach=False),
+        lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, foreach=True),
+    ],
+    ids=lambda f: "opt",
+)
+def test_every_torch_optimizer_keeps_replicas_identical(make_opt: Any) -> None:
+    strategy = cpu_strategy(3)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+    opt = polydist_torch.distribute_optimizer(make_opt(model.parameters()))
+    assert all(type(r) is type(opt.optimizer) for r in opt.replicas)
+    assert all(r.defaults == opt.defaults for r in opt.replicas)
+    step = distributed_step(model, opt)
+    for x, y in list(strategy.experimental_distribute_dataset(make_loader()))[:3]:
+        strategy.run(step, args=(x, y))
+    pd.debugging.check_replicas_identical(strategy)
+    optimizer_states_identical(opt)
+    reference = make_model()
+    ref_opt = make_opt(reference.parameters())
+    for x, y in list(make_loader())[:3]:
+        (per_example_loss(reference, x, y).sum() / x.shape[0]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
