@@ -23,6 +23,7 @@ from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS as MAX_VIRTUAL_CPU_
 from polydist_torch._devices import torch_device as torch_device
 from polydist_torch._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from polydist_torch._multi_worker import TorchProcessGroupBackend as TorchProcessGroupBackend
+from polydist_torch._multi_worker import TorchWorkerProcesses as TorchWorkerProcesses
 from polydist_torch._multi_worker import shutdown as shutdown_multi_worker
 from polydist_torch._parameters import parameters as parameters
 from polydist_torch._pytree import register_tree_system as _register_tree_system
@@ -55,6 +56,7 @@ __all__ = [
     "Reduction",
     "TorchBackend",
     "TorchProcessGroupBackend",
+    "TorchWorkerProcesses",
     "TorchReplicaChannel",
     "XLA_UNSUPPORTED",
     "XlaSpmdBackend",
