@@ -282,7 +282,8 @@ class SupportsWorkerProcesses(Protocol):
 
     Declared under the entry-point group ``polydist.worker_processes`` with the
     backend's name, or implemented by a backend object passed as ``backend=`` (an
-    engine such as ``TorchProcessGroupBackend``). The strategy calls
+    engine such as ``TorchProcessGroupBackend``, or a configured provider such as
+    ``polydist_jax.JaxWorkerProcesses(jit=False)``). The strategy calls
     ``worker_cluster`` first; when the cluster has several workers (or
     ``local_devices`` is given, or the backend object is an engine), it calls
     ``worker_process_engine`` and runs on the backend that returns: its list
@@ -309,7 +310,9 @@ class SupportsWorkerProcesses(Protocol):
 _worker_processes: dict[str, SupportsWorkerProcesses | None] = {}
 
 
-def worker_processes(backend: str | Backend | None) -> SupportsWorkerProcesses | None:
+def worker_processes(
+    backend: str | Backend | SupportsWorkerProcesses | None,
+) -> SupportsWorkerProcesses | None:
     """What runs ``MultiWorkerMirroredStrategy(backend=backend)`` with one process per
     worker: a backend object implementing `SupportsWorkerProcesses`, or for a name
     (``None``: ``$POLYDIST_BACKEND``, then ``sim``) its ``polydist.worker_processes``

@@ -21,11 +21,11 @@ is a copy of this machine), otherwise ``cluster_resolver.num_accelerators()``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from polydist import _cross_device_ops, _nest
 from polydist._arrays import convert_to_array
-from polydist._backend import Backend, get_backend, worker_processes
+from polydist._backend import Backend, SupportsWorkerProcesses, get_backend, worker_processes
 from polydist._cluster import (
     InReplicaContext,
     connect_cluster,
@@ -381,15 +381,17 @@ class MultiWorkerMirroredStrategy(Strategy):
             default ``TFConfigClusterResolver()``, which reads ``TF_CONFIG``.
             With no cluster (no ``TF_CONFIG``) there is one worker.
         communication_options: a `polydist.experimental.CommunicationOptions`.
-        backend: a backend name or object; else ``$POLYDIST_BACKEND``, else
-            ``sim``. It picks the engine: ``"sim"`` simulates every worker of
-            the cluster in this process; ``"torch"`` (``torch.distributed``) and
-            ``"jax"`` (``jax.distributed``) run one process per worker, joining
-            the cluster when it has several workers (see ``docs/multi-host.md``;
-            a backend declares this with `polydist.backend.SupportsWorkerProcesses`).
-            Without ``cluster_resolver`` the cluster comes from ``TF_CONFIG``,
-            else from the launcher of such an engine (``polydist launch``,
-            ``torchrun``).
+        backend: a backend name or object (or a backend's
+            `polydist.backend.SupportsWorkerProcesses`, such as
+            ``polydist_jax.JaxWorkerProcesses(jit=False)``); else
+            ``$POLYDIST_BACKEND``, else ``sim``. It picks the engine:
+            ``"sim"`` simulates every worker of the cluster in this process;
+            ``"torch"`` (``torch.distributed``) and ``"jax"``
+            (``jax.distributed``) run one process per worker when the cluster
+            has several workers or ``local_devices`` is given (see
+            ``docs/multi-host.md``). Without ``cluster_resolver`` the cluster
+            comes from ``TF_CONFIG``, else from the launcher of such an engine
+            (``polydist launch``, ``torchrun``).
         local_devices: replicas per worker on an engine with one process per
             worker (a polydist extension): the first N accelerators, or N
             virtual CPU replicas. Default (TF's rule): every GPU, else one CPU.
@@ -403,7 +405,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
         *,
-        backend: str | Backend | None = None,
+        backend: str | Backend | SupportsWorkerProcesses | None = None,
         local_devices: int | None = None,
     ) -> None:
         _check_local_devices(local_devices)
@@ -428,9 +430,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "declares none. On the sim, each worker has this machine's GPUs "
                 "(SimBackend(num_gpus=...)) or cluster_resolver.num_accelerators()."
             )
-        super().__init__(
-            self._extended_class(self, cluster_resolver, communication_options, backend)
-        )
+        # No SupportsWorkerProcesses here: a backend name or object.
+        plain = cast("str | Backend | None", backend)
+        super().__init__(self._extended_class(self, cluster_resolver, communication_options, plain))
 
     @property
     def extended(self) -> MultiWorkerExtended:
