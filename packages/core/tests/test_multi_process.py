@@ -443,6 +443,17 @@ def test_the_backend_supplies_the_engine_and_the_group() -> None:
     assert [float(v) for v in mirrored.values] == [1.0, 1.0]
     # A host value: each worker's copy once, MEAN dividing by W = 2.
     assert float(strategy.reduce("MEAN", np.float32(6.0), axis=None)) == 3.0
+    # IndexedSlices gather every worker's rows (here only this worker's): MEAN / (W x D).
+    slices = strategy.experimental_distribute_values_from_function(
+        lambda c: pd.IndexedSlices(
+            np.full((1, 2), 2.0 + 4 * c.replica_id_in_sync_group, np.float32),
+            np.asarray([c.replica_id_in_sync_group]),
+            (4, 2),
+        )
+    )
+    mean = strategy.reduce("MEAN", slices, axis=None)
+    assert mean.values.tolist() == [[0.5, 0.5], [1.5, 1.5]]
+    assert mean.indices.tolist() == [0, 1]
 
 
 def test_a_sim_cluster_needs_no_engine_and_takes_no_local_devices() -> None:

@@ -280,7 +280,8 @@ class StrategyExtended(ExtendedVariablesMixin):
                 f"Cannot reduce a mix of IndexedSlices and other values across replicas (the "
                 f"replicas gave {kinds}). Every replica must pass an IndexedSlices."
             )
-        if len(components) == 1:
+        group = self._replica_group(len(components))
+        if len(components) == 1 and not group.across_processes:
             return self._to_destinations(components[0], destinations)
         dests = (
             _cross_device_ops.destination_devices(destinations)
@@ -288,7 +289,7 @@ class StrategyExtended(ExtendedVariablesMixin):
             else (_destination(destinations),)
         )
         reduced = _indexed_slices.reduce(
-            self._backend, reduce_op, components, self._devices_of(components), dests
+            self._backend, reduce_op, components, group.devices, dests, group.size
         )
         self._record("all_gather", None, components[0].values)
         self._record("all_gather", None, components[0].indices)
