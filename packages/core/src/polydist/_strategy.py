@@ -466,8 +466,10 @@ class Strategy:
             components = [convert_to_array(value)] * extended._local_replica_count
         check_summable(reduce_op, components)  # the local reduce_sum is a SUM too
         group = extended._replica_group(len(components))
-        if group.across_processes:
-            components = extended._place_components(components)  # NumPy inputs: backend arrays
+        # TF sums each component on its replica's device: place host values (NumPy, or
+        # run results of a function that returned NumPy) there first, so that the
+        # backend's xp.sum gets its own arrays.
+        components = extended._place_components(components)
         xp = extended._backend.array_namespace()
         axes = _normalize_axis(axis, components[0])
         # dtype=: NumPy and torch widen int32 sums to int64; TF's reduce_sum keeps int32.
