@@ -33,16 +33,14 @@ TRUE_W = np.asarray([[1.0], [-2.0], [0.5], [3.0]], np.float32)
 
 
 def make_strategy(engine: str) -> pd.Strategy:
-    """The engine's MultiWorkerMirroredStrategy (the sim's: every worker in this process)."""
+    """MultiWorkerMirroredStrategy on ``engine``: torch and jax run one process per worker
+    (the cluster from ``polydist launch``/``torchrun``/``TF_CONFIG``); the sim runs every
+    worker in this process."""
     options = pd.experimental.CommunicationOptions(timeout_seconds=60)
-    if engine == "torch":
-        from polydist_torch import MultiWorkerMirroredStrategy as TorchMWMS
-
-        return TorchMWMS(communication_options=options, local_devices=REPLICAS_PER_WORKER)
-    if engine == "jax":
-        from polydist_jax import MultiWorkerMirroredStrategy as JaxMWMS
-
-        return JaxMWMS(communication_options=options, local_devices=REPLICAS_PER_WORKER)
+    if engine in ("torch", "jax"):
+        return pd.MultiWorkerMirroredStrategy(
+            communication_options=options, local_devices=REPLICAS_PER_WORKER, backend=engine
+        )
     from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver
     from polydist_sim import SimBackend
 

@@ -1,6 +1,7 @@
 """MEAN of integers stays an integer (floor division) instead of becoming float64.
 
-The MEAN rule lives in core (polydist._arrays.mean_from_sum), which cannot
+The MEAN rule lives in core (polydist._arrays.mean_from_sum, applied by the reduce
+tail in polydist._cross_device_ops.apply_mean), which cannot
 tell which backend it serves: the patch is global, the oracle shares it, and
 only the cases' documented results catch it.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist import _replica_context, _strategy
+from polydist import _cross_device_ops, _replica_context
 
 from ._support import MutantSim
 
@@ -21,7 +22,7 @@ def _mean_from_sum(xp: Any, total: Any, count: int) -> Any:
 
 
 _replica_context.mean_from_sum = _mean_from_sum  # type: ignore[attr-defined]
-_strategy.mean_from_sum = _mean_from_sum  # type: ignore[attr-defined]
+_cross_device_ops.mean_from_sum = _mean_from_sum  # type: ignore[attr-defined]  # the reduce tail
 
 
 class MutantBackend(MutantSim):

@@ -3,7 +3,7 @@
 ``python mw_program.py OUT MODE [OPTIONS]``; see that module for the modes. One more
 mode is JAX's own: ``compiled`` (`compiled_program`) writes ``OUT/compiled<i>.npz``
 with the backend's compile and eager-fallback counts. ``$MW_PROGRAM_JIT=0`` runs
-every mode eagerly (``MultiWorkerMirroredStrategy(jit=False)``).
+every mode eagerly (``backend=JaxWorkerProcesses(jit=False)``).
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ def jax_strategy(args: argparse.Namespace) -> pd.Strategy:
     import jax
 
     jax.config.update("jax_enable_x64", True)  # TF's float64 MEAN of integers
-    import polydist_jax._multi_worker as mw
+    from polydist_jax import JaxWorkerProcesses
 
     options = pd.experimental.CommunicationOptions(timeout_seconds=args.timeout)
     jit = os.environ.get("MW_PROGRAM_JIT", "1") != "0"
-    return mw.MultiWorkerMirroredStrategy(communication_options=options, local_devices=D, jit=jit)
+    backend = "jax" if jit else JaxWorkerProcesses(jit=False)
+    return pd.MultiWorkerMirroredStrategy(
+        communication_options=options, local_devices=D, backend=backend
+    )
 
 
 def _ctx() -> pd.ReplicaContext:

@@ -33,7 +33,6 @@ def main() -> None:
         initialization_timeout=60,
     )
     import polydist as pd
-    from polydist_jax import MultiWorkerMirroredStrategy
 
     result: dict[str, Any] = {}
 
@@ -44,7 +43,9 @@ def main() -> None:
 
     atexit.register(at_exit)  # before the strategy registers polydist's: runs after it
     options = pd.experimental.CommunicationOptions(timeout_seconds=30)
-    strategy = MultiWorkerMirroredStrategy(communication_options=options, local_devices=D)
+    strategy = pd.MultiWorkerMirroredStrategy(
+        communication_options=options, local_devices=D, backend="jax"
+    )
     values = strategy.experimental_distribute_values_from_function(
         lambda c: np.float32(1 + c.replica_id_in_sync_group)
     )

@@ -330,9 +330,10 @@ def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_without_a_cluster_it_is_one_worker() -> None:
     import jax.numpy as jnp
 
-    from polydist_jax._multi_worker import MultiWorkerMirroredStrategy
+    from polydist_jax import JaxProcessBackend
 
-    strategy = MultiWorkerMirroredStrategy(local_devices=3)
+    strategy = pd.MultiWorkerMirroredStrategy(local_devices=3, backend="jax")
+    assert isinstance(strategy.extended.backend, JaxProcessBackend)
     assert strategy.num_replicas_in_sync == 3
     assert strategy.extended._num_workers == 1 and strategy.extended.should_checkpoint
     backend = strategy.extended.backend
@@ -350,15 +351,34 @@ def test_without_a_cluster_it_is_one_worker() -> None:
 
 @pytest.mark.usefixtures("no_cluster")
 def test_joining_after_jax_started_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
-    from polydist_jax._multi_worker import MultiWorkerMirroredStrategy
-
     config = {
         "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
         "task": {"type": "worker", "index": 0},
     }
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
     with pytest.raises(RuntimeError, match="JAX's backends have already started"):
-        MultiWorkerMirroredStrategy(local_devices=2)
+        pd.MultiWorkerMirroredStrategy(local_devices=2, backend="jax")
+    monkeypatch.setenv("POLYDIST_BACKEND", "jax")  # the engine comes from the default too
+    with pytest.raises(RuntimeError, match="JAX's backends have already started"):
+        pd.MultiWorkerMirroredStrategy()
+
+
+@pytest.mark.usefixtures("no_cluster")
+def test_deprecated_alias_warns_and_still_works() -> None:
+    from polydist_jax import JaxProcessBackend, MultiWorkerMirroredStrategy
+
+    with pytest.warns(
+        DeprecationWarning, match=r"use polydist.MultiWorkerMirroredStrategy\(backend='jax'\)"
+    ):
+        strategy = MultiWorkerMirroredStrategy(local_devices=2, jit=False)
+    assert isinstance(strategy, pd.MultiWorkerMirroredStrategy)
+    backend = strategy.extended.backend
+    assert isinstance(backend, JaxProcessBackend) and not backend.jit
+    assert strategy.num_replicas_in_sync == 2
+    # One worker without local_devices needs no engine: the jax backend itself.
+    assert pd.MultiWorkerMirroredStrategy(backend="jax").extended.backend is (
+        pd.backend.get_backend("jax")
+    )
 
 
 def test_initialize_needs_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -52,10 +52,11 @@ def stall(out: Path) -> None:
     import torch
 
     import polydist as pd
-    import polydist_torch._multi_worker as mw
 
     options = pd.experimental.CommunicationOptions(timeout_seconds=3)
-    strategy = mw.MultiWorkerMirroredStrategy(communication_options=options, local_devices=1)
+    strategy = pd.MultiWorkerMirroredStrategy(
+        backend="torch", communication_options=options, local_devices=1
+    )
     rank = int(os.environ["RANK"])
     x = torch.ones(BIG)
 
@@ -99,8 +100,8 @@ def main(out: Path) -> None:
     import polydist_torch._multi_worker as mw
 
     rank = int(os.environ["RANK"])
-    one = mw.MultiWorkerMirroredStrategy(local_devices=1)
-    two = mw.MultiWorkerMirroredStrategy(local_devices=2)
+    one = pd.MultiWorkerMirroredStrategy(backend="torch", local_devices=1)
+    two = pd.MultiWorkerMirroredStrategy(backend="torch", local_devices=2)
     backend = one.extended.backend
     assert isinstance(backend, mw.TorchProcessGroupBackend)
     group = backend._group
@@ -194,7 +195,6 @@ def packed(rank: int, one: Any, two: Any, saved: dict[str, Any]) -> None:
     import torch
 
     import polydist as pd
-    import polydist_torch._multi_worker as mw
 
     def sums(nest: Any) -> Any:
         ctx = pd.get_replica_context()
@@ -202,7 +202,8 @@ def packed(rank: int, one: Any, two: Any, saved: dict[str, Any]) -> None:
         return ctx.all_reduce(pd.ReduceOp.SUM, nest)
 
     nest = [torch.from_numpy(a) for a in nest_inputs(rank)]
-    small = mw.MultiWorkerMirroredStrategy(
+    small = pd.MultiWorkerMirroredStrategy(
+        backend="torch",
         local_devices=1,
         communication_options=pd.experimental.CommunicationOptions(bytes_per_pack=64),
     )
@@ -260,9 +261,8 @@ def pack_mismatch(out: Path) -> None:
     import torch
 
     import polydist as pd
-    import polydist_torch._multi_worker as mw
 
-    strategy = mw.MultiWorkerMirroredStrategy(local_devices=1)
+    strategy = pd.MultiWorkerMirroredStrategy(backend="torch", local_devices=1)
     rank = int(os.environ["RANK"])
     first, second = (2, 4) if rank == 0 else (4, 2)
     nest = [torch.ones(first), torch.ones(second, 1)]

@@ -14,10 +14,10 @@ __all__ = ["D", "load", "program"]
 
 
 def torch_strategy(args: argparse.Namespace) -> pd.Strategy:
-    import polydist_torch._multi_worker as mw
-
     options = pd.experimental.CommunicationOptions(timeout_seconds=args.timeout)
-    return mw.MultiWorkerMirroredStrategy(communication_options=options, local_devices=D)
+    return pd.MultiWorkerMirroredStrategy(
+        communication_options=options, local_devices=D, backend="torch"
+    )
 
 
 if __name__ == "__main__":

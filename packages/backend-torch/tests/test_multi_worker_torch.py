@@ -142,10 +142,11 @@ def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_without_a_cluster_it_is_one_worker() -> None:
     import torch
 
-    from polydist_torch._multi_worker import MultiWorkerMirroredStrategy, TorchProcessGroupBackend
+    from polydist_torch._multi_worker import TorchProcessGroupBackend
 
     backend = TorchProcessGroupBackend()
-    strategy = MultiWorkerMirroredStrategy(local_devices=3, backend=backend)
+    strategy = pd.MultiWorkerMirroredStrategy(local_devices=3, backend=backend)
+    assert strategy.extended.backend is backend
     assert strategy.num_replicas_in_sync == 3
     assert strategy.extended._num_workers == 1 and strategy.extended.should_checkpoint
     assert backend.capabilities.multi_worker and not backend.connected
@@ -166,11 +167,9 @@ def _ctx_all_reduce(x: object) -> object:
 
 @pytest.mark.usefixtures("no_cluster")
 def test_single_worker_tf_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    from polydist_torch._multi_worker import MultiWorkerMirroredStrategy, TorchProcessGroupBackend
-
     config = {"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
-    strategy = MultiWorkerMirroredStrategy(local_devices=2, backend=TorchProcessGroupBackend())
+    strategy = pd.MultiWorkerMirroredStrategy(local_devices=2, backend="torch")
     assert strategy.extended.worker_devices == (
         "/job:worker/replica:0/task:0/device:CPU:0",
         "/job:worker/replica:0/task:0/device:CPU:1",
@@ -179,24 +178,54 @@ def test_single_worker_tf_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_cluster")
-def test_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    from polydist_torch._multi_worker import MultiWorkerMirroredStrategy, TorchProcessGroupBackend
+def test_the_backend_picks_the_process_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from polydist_torch._multi_worker import TorchProcessGroupBackend
 
-    with pytest.raises(ValueError, match="local_devices must be >= 1, got 0"):
-        MultiWorkerMirroredStrategy(local_devices=0, backend=TorchProcessGroupBackend())
-    with pytest.raises(
-        TypeError, match="backend must be a polydist_torch.TorchProcessGroupBackend"
+    by_name = pd.MultiWorkerMirroredStrategy(backend="torch", local_devices=2)
+    assert isinstance(by_name.extended.backend, TorchProcessGroupBackend)
+    assert by_name.num_replicas_in_sync == 2
+    monkeypatch.setenv("POLYDIST_BACKEND", "torch")
+    from_env = pd.MultiWorkerMirroredStrategy(local_devices=2)
+    assert from_env.extended.backend is by_name.extended.backend  # the process's engine
+    # One worker without local_devices needs no engine: the torch backend itself.
+    plain = pd.MultiWorkerMirroredStrategy()
+    assert plain.extended.backend is pd.backend.get_backend("torch")
+    assert plain.num_replicas_in_sync == 1
+
+
+@pytest.mark.usefixtures("no_cluster")
+def test_deprecated_alias_warns_and_still_works() -> None:
+    from polydist_torch import MultiWorkerMirroredStrategy
+    from polydist_torch._multi_worker import TorchProcessGroupBackend
+
+    backend = TorchProcessGroupBackend()
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"use polydist.MultiWorkerMirroredStrategy\(backend='torch'\)",
+    ):
+        strategy = MultiWorkerMirroredStrategy(local_devices=2, backend=backend)
+    assert isinstance(strategy, pd.MultiWorkerMirroredStrategy)
+    assert strategy.extended.backend is backend and strategy.num_replicas_in_sync == 2
+    with (
+        pytest.warns(DeprecationWarning, match="is deprecated"),
+        pytest.raises(TypeError, match="backend must be a polydist_torch.TorchProcessGroupBackend"),
     ):
         MultiWorkerMirroredStrategy(backend=SimBackend())  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_cluster")
+def test_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="local_devices must be >= 1, got 0"):
+        pd.MultiWorkerMirroredStrategy(local_devices=0, backend="torch")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="set MASTER_ADDR and MASTER_PORT"):
-        MultiWorkerMirroredStrategy(backend=TorchProcessGroupBackend())
+        pd.MultiWorkerMirroredStrategy(backend="torch")
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     with pytest.raises(ValueError, match=r"\$RANK=2 is out of range for \$WORLD_SIZE=2"):
-        MultiWorkerMirroredStrategy(backend=TorchProcessGroupBackend())
+        pd.MultiWorkerMirroredStrategy(backend="torch")
 
 
 def test_bad_rendezvous_address() -> None:

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import cast
+from collections.abc import Sequence
+from typing import Any, cast
 
+import numpy as np
 import pytest
 
+import polydist as pd
 from polydist import _multi_process as mp
 from polydist import errors
 from polydist.backend import Capabilities, ReplicaChannel
 from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver, TFConfigClusterResolver
 from polydist.experimental import CommunicationOptions
+from polydist_sim import SimBackend
 
 
 def test_collective_timeout() -> None:
@@ -371,3 +375,93 @@ def test_announce_publish_late_and_settle_go_to_the_checker() -> None:
     assert failing.failure is not None and failing.collectives == 1
     assert failing.announce("strategy.run") is None  # failed: nothing more is announced
     assert _membership().announce("strategy.run") is None  # no checker: no check
+
+
+# -- MultiWorkerMirroredStrategy picks the engine through the backend ----------------------------
+
+
+class _OneWorkerHere(SimBackend):
+    """A sim that behaves as an engine with one process per worker: it joins a cluster
+    but runs (and sums) only this worker's replicas, as torch's and JAX's engines do
+    before their cross-process step."""
+
+    def connect_cluster(
+        self, worker_devices: Sequence[Sequence[str]], worker_index: int
+    ) -> tuple[int, ...]:
+        super().connect_cluster(worker_devices, worker_index)
+        return (worker_index,)
+
+    def local_device_count(self, requested: int | None) -> tuple[str, int] | None:
+        return None if requested is None else ("GPU", requested)
+
+    def broadcast_from_chief(self, value: Any, device: str) -> Any:
+        return self.place(value, device)
+
+
+class _Processes:
+    """A `SupportsWorkerProcesses` that records what the strategy asked of it."""
+
+    def __init__(self) -> None:
+        self.engine = _OneWorkerHere(num_gpus=2)
+        self.calls: list[str] = []
+
+    def worker_cluster(
+        self, cluster_resolver: Any, communication_options: Any
+    ) -> pd.backend.ClusterToJoin:
+        self.calls.append("cluster")
+        resolver = cluster_resolver or TFConfigClusterResolver()
+        return pd.backend.ClusterToJoin(resolver, [], None, 60.0)
+
+    def worker_process_engine(
+        self, cluster: pd.backend.ClusterToJoin, local_devices: int | None
+    ) -> pd.backend.Backend:
+        self.calls.append(f"engine {local_devices}")
+        return self.engine
+
+
+def _two_workers() -> SimpleClusterResolver:
+    spec = ClusterSpec({"worker": ["host0:1", "host1:1"]})
+    return SimpleClusterResolver(spec, task_type="worker", task_id=0)
+
+
+def test_the_backend_supplies_the_engine_and_the_group() -> None:
+    processes = _Processes()
+    assert isinstance(processes, pd.backend.SupportsWorkerProcesses)
+    strategy = pd.MultiWorkerMirroredStrategy(_two_workers(), backend=processes, local_devices=2)
+    assert processes.calls == ["cluster", "engine 2"]
+    extended = strategy.extended
+    assert isinstance(extended, mp.MultiProcessExtended) and extended.backend is processes.engine
+    assert strategy.num_replicas_in_sync == 4 and len(extended.worker_devices) == 2
+    values = strategy.experimental_distribute_values_from_function(
+        lambda c: np.float32(1 + 2 * c.replica_id_in_sync_group)  # worker 0: 1 and 3
+    )
+    # This fake engine sums only this worker's replicas (4); MEAN divides by every
+    # worker's replicas (W x D = 4), which the group supplies, not by this worker's 2.
+    assert float(strategy.reduce("SUM", values, axis=None)) == 4.0
+    assert float(strategy.reduce("MEAN", values, axis=None)) == 1.0
+    mirrored = strategy.extended.reduce_to("MEAN", values, values)
+    assert [float(v) for v in mirrored.values] == [1.0, 1.0]
+    # A host value: each worker's copy once, MEAN dividing by W = 2.
+    assert float(strategy.reduce("MEAN", np.float32(6.0), axis=None)) == 3.0
+    # IndexedSlices gather every worker's rows (here only this worker's): MEAN / (W x D).
+    slices = strategy.experimental_distribute_values_from_function(
+        lambda c: pd.IndexedSlices(
+            np.full((1, 2), 2.0 + 4 * c.replica_id_in_sync_group, np.float32),
+            np.asarray([c.replica_id_in_sync_group]),
+            (4, 2),
+        )
+    )
+    mean = strategy.reduce("MEAN", slices, axis=None)
+    assert mean.values.tolist() == [[0.5, 0.5], [1.5, 1.5]]
+    assert mean.indices.tolist() == [0, 1]
+
+
+def test_a_sim_cluster_needs_no_engine_and_takes_no_local_devices() -> None:
+    assert pd.backend.worker_processes("sim") is None
+    assert pd.backend.worker_processes(SimBackend()) is None
+    strategy = pd.MultiWorkerMirroredStrategy(_two_workers(), backend="sim")
+    assert not isinstance(strategy.extended, mp.MultiProcessExtended)
+    with pytest.raises(ValueError, match="local_devices=2 needs a backend with one process"):
+        pd.MultiWorkerMirroredStrategy(_two_workers(), backend="sim", local_devices=2)
+    with pytest.raises(ValueError, match="local_devices must be >= 1"):
+        pd.MultiWorkerMirroredStrategy(backend="sim", local_devices=0)

@@ -17,6 +17,7 @@ from polydist_jax._backend import JaxBackend as JaxBackend
 from polydist_jax._lazy import LazyPerReplica as LazyPerReplica
 from polydist_jax._multi_worker import WATCHDOG_EXIT_CODE as WATCHDOG_EXIT_CODE
 from polydist_jax._multi_worker import JaxProcessBackend as JaxProcessBackend
+from polydist_jax._multi_worker import JaxWorkerProcesses as JaxWorkerProcesses
 from polydist_jax._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from polydist_jax._multi_worker import initialize as initialize_multi_worker
 from polydist_jax._pytree import register as _register_pytrees
@@ -32,6 +33,7 @@ __all__ = [
     "WATCHDOG_EXIT_CODE",
     "JaxBackend",
     "JaxProcessBackend",
+    "JaxWorkerProcesses",
     "LazyPerReplica",
     "MultiWorkerMirroredStrategy",
     "in_compiled_run",

@@ -70,6 +70,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -79,14 +80,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+import polydist as pd
 from polydist import _multi_process as mp
 from polydist import _trace, errors
 from polydist._cluster import id_in_cluster, worker_count
 from polydist._collective_check import Pending
 from polydist._communication import CommunicationOptions
 from polydist._devices import DeviceSpec
-from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS, MultiProcessMirroredStrategy
-from polydist.backend import pack_by_dtype
+from polydist._multi_process import DEFAULT_TIMEOUT_SECONDS
+from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
 from polydist.cluster_resolver import ClusterResolver
 from polydist_jax._backend import JaxBackend
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
@@ -99,7 +101,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "WATCHDOG_EXIT_CODE",
+    "WORKER_PROCESSES",
     "JaxProcessBackend",
+    "JaxWorkerProcesses",
     "MultiWorkerMirroredStrategy",
     "initialize",
 ]
@@ -279,8 +283,9 @@ def initialize(
         raise RuntimeError(
             "JAX's backends have already started in this process (something called jax.devices(), "
             "created an array or ran a computation), so jax.distributed.initialize can no longer "
-            "run. Create polydist_jax.MultiWorkerMirroredStrategy (or call polydist_jax."
-            "initialize) first thing in the program, before any other JAX call."
+            "run. Create polydist.MultiWorkerMirroredStrategy(backend='jax') (or call "
+            "polydist_jax.initialize_multi_worker) first thing in the program, before any "
+            "other JAX call."
         )
     bind = _bind_address(address, coordinator_bind_address)
     if local_devices is not None:  # only the CPU platform reads it
@@ -853,8 +858,8 @@ class JaxProcessBackend(JaxBackend):
             raise ValueError(
                 f"JAX runs as process {jax.process_index()} of {jax.process_count()}, but the "
                 f"cluster makes this process worker {worker_index} of {world}. Create "
-                "polydist_jax.MultiWorkerMirroredStrategy before any other JAX call (it runs "
-                "jax.distributed.initialize), or initialize JAX with the same cluster."
+                "polydist.MultiWorkerMirroredStrategy(backend='jax') before any other JAX call "
+                "(it runs jax.distributed.initialize), or initialize JAX with the same cluster."
             )
         names = mp.worker_task_names(worker_devices)
         self._task = (spec.job, spec.task)
@@ -1014,48 +1019,50 @@ class JaxProcessBackend(JaxBackend):
 _shared_backend = mp.once_per_process(JaxProcessBackend)
 
 
-class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
-    """``tf.distribute.MultiWorkerMirroredStrategy`` on JAX: one process per worker.
+def _worker_cluster(
+    cluster_resolver: ClusterResolver | None, communication_options: CommunicationOptions | None
+) -> ClusterToJoin:
+    return mp.resolve_cluster(
+        cluster_resolver,
+        communication_options,
+        "POLYDIST_PROCESS_ID",
+        "POLYDIST_NUM_PROCESSES",
+        os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("POLYDIST_COORDINATOR_ADDRESS"),
+        what="polydist launch",
+    )
 
-    Create it first thing in each worker process (before any other JAX call):
-    it runs ``jax.distributed.initialize`` for the cluster. See the module
-    docstring for the collectives, timeouts and faults, and ``docs/multi-host.md``.
+
+class JaxWorkerProcesses:
+    """The jax backend's `polydist.backend.SupportsWorkerProcesses` (entry point
+    ``polydist.worker_processes: jax``): ``MultiWorkerMirroredStrategy(backend="jax")``
+    runs ``jax.distributed.initialize`` for the cluster and then this process's shared
+    `JaxProcessBackend`.
+
+    Pass one as ``backend=`` to choose ``jit``:
+    ``pd.MultiWorkerMirroredStrategy(backend=polydist_jax.JaxWorkerProcesses(jit=False))``.
 
     Args:
-        cluster_resolver: the cluster and this worker's task. Default:
-            ``TFConfigClusterResolver()`` when ``TF_CONFIG`` names a cluster, else
-            ``polydist launch``'s ``POLYDIST_PROCESS_ID``/``POLYDIST_NUM_PROCESSES``
-            with ``JAX_COORDINATOR_ADDRESS``, else a single worker.
-        communication_options: ``timeout_seconds`` bounds joining and each
-            collective (default 60 s; 0: no bound).
-        local_devices: replicas per worker (a polydist extension): the first N
-            local devices; on CPU it sets ``jax_num_cpu_devices`` to N. Default
-            (TF's rule): every GPU of the process, else one CPU replica.
-        jit: compile ``strategy.run`` into one program over every worker's
-            replicas (default, a polydist extension); ``False`` runs this worker's
-            replicas eagerly, like ``JaxBackend(jit=False)``. Every worker must pass
-            the same value.
+        jit: compile ``strategy.run`` into one program over every worker's replicas
+            (default); ``False`` runs this worker's replicas eagerly, like
+            ``JaxBackend(jit=False)``. Every worker must pass the same value.
     """
 
-    def __init__(
-        self,
-        cluster_resolver: ClusterResolver | None = None,
-        communication_options: CommunicationOptions | None = None,
-        *,
-        local_devices: int | None = None,
-        jit: bool = True,
-    ) -> None:
+    def __init__(self, *, jit: bool = True) -> None:
         if not isinstance(jit, bool):
             raise TypeError(f"jit must be True or False, got {type(jit).__name__} {jit!r}.")
-        cluster = mp.resolve_cluster(
-            cluster_resolver,
-            communication_options,
-            "POLYDIST_PROCESS_ID",
-            "POLYDIST_NUM_PROCESSES",
-            os.environ.get("JAX_COORDINATOR_ADDRESS")
-            or os.environ.get("POLYDIST_COORDINATOR_ADDRESS"),
-            what="polydist launch",
-        )
+        self.jit = jit
+
+    def __repr__(self) -> str:
+        return f"JaxWorkerProcesses(jit={self.jit})"
+
+    def worker_cluster(
+        self,
+        cluster_resolver: ClusterResolver | None,
+        communication_options: CommunicationOptions | None,
+    ) -> ClusterToJoin:
+        return _worker_cluster(cluster_resolver, communication_options)
+
+    def worker_process_engine(self, cluster: ClusterToJoin, local_devices: int | None) -> Backend:
         spec = cluster.resolver.cluster_spec()
         task_type, task_id = cluster.resolver.task_type, cluster.resolver.task_id
         if spec and task_type is not None and task_id is not None:
@@ -1072,7 +1079,52 @@ class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
             _set_cpu_devices(local_devices)
         backend = _shared_backend()
         backend.prepare(cluster.addresses, cluster.timeout)
-        backend.set_jit(jit)
+        backend.set_jit(self.jit)
+        return backend
+
+
+#: What the ``polydist.worker_processes`` entry point ``jax`` names.
+WORKER_PROCESSES = JaxWorkerProcesses()
+
+
+class MultiWorkerMirroredStrategy(pd.MultiWorkerMirroredStrategy):
+    """Deprecated: use ``polydist.MultiWorkerMirroredStrategy(backend="jax")``.
+
+    Kept for one release: it warns (``DeprecationWarning``) and builds that strategy
+    with ``backend=JaxWorkerProcesses(jit=jit)``, so a single worker also runs on the
+    process engine, as before.
+
+    Args:
+        cluster_resolver: the cluster and this worker's task. Default:
+            ``TFConfigClusterResolver()`` when ``TF_CONFIG`` names a cluster, else
+            ``polydist launch``'s ``POLYDIST_PROCESS_ID``/``POLYDIST_NUM_PROCESSES``
+            with ``JAX_COORDINATOR_ADDRESS``, else a single worker.
+        communication_options: ``timeout_seconds`` bounds joining and each
+            collective (default 60 s; 0: no bound).
+        local_devices: replicas per worker (a polydist extension): the first N
+            local devices; on CPU it sets ``jax_num_cpu_devices`` to N. Default
+            (TF's rule): every GPU of the process, else one CPU replica.
+        jit: as `JaxWorkerProcesses`'s.
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        *,
+        local_devices: int | None = None,
+        jit: bool = True,
+    ) -> None:
+        warnings.warn(
+            "polydist_jax.MultiWorkerMirroredStrategy is deprecated and will be removed in the "
+            "next release: use polydist.MultiWorkerMirroredStrategy(backend='jax') (same "
+            "arguments; jit=False: backend=polydist_jax.JaxWorkerProcesses(jit=False)).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         super().__init__(
-            cluster.resolver, communication_options, backend=backend, local_devices=local_devices
+            cluster_resolver,
+            communication_options,
+            backend=JaxWorkerProcesses(jit=jit),
+            local_devices=local_devices,
         )

@@ -31,6 +31,7 @@ from polydist_torch._modules import distribute_module as distribute_module
 from polydist_torch._modules import distribute_optimizer as distribute_optimizer
 from polydist_torch._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from polydist_torch._multi_worker import TorchProcessGroupBackend as TorchProcessGroupBackend
+from polydist_torch._multi_worker import TorchWorkerProcesses as TorchWorkerProcesses
 from polydist_torch._multi_worker import shutdown as shutdown_multi_worker
 from polydist_torch._parameters import parameters as parameters
 from polydist_torch._pytree import register_tree_system as _register_tree_system
@@ -65,6 +66,7 @@ __all__ = [
     "Reduction",
     "TorchBackend",
     "TorchProcessGroupBackend",
+    "TorchWorkerProcesses",
     "TorchReplicaChannel",
     "XLA_UNSUPPORTED",
     "XlaSpmdBackend",

@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.torch_version import TorchVersion
 
+import polydist as pd
 from polydist import _multi_process as mp
 from polydist import errors
 from polydist._collective_check import PeerMissing
@@ -79,10 +80,9 @@ from polydist._devices import DeviceSpec
 from polydist._multi_process import (
     DEFAULT_TIMEOUT_SECONDS,
     HEARTBEAT_SECONDS,
-    MultiProcessMirroredStrategy,
     describe_workers,
 )
-from polydist.backend import pack_by_dtype
+from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
 from polydist.cluster_resolver import ClusterResolver
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._backend import Reduction, TorchBackend, _tensors
@@ -97,7 +97,9 @@ __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "HEARTBEAT_SECONDS",
     "MultiWorkerMirroredStrategy",
+    "WORKER_PROCESSES",
     "TorchProcessGroupBackend",
+    "TorchWorkerProcesses",
     "shutdown",
 ]
 
@@ -624,7 +626,7 @@ class TorchProcessGroupBackend(TorchBackend):
             raise ValueError(
                 f"TorchProcessGroupBackend needs the rendezvous address (worker 0's host:port) "
                 f"to join a cluster of {world} workers: create the strategy with "
-                "polydist_torch.MultiWorkerMirroredStrategy, which passes it."
+                "polydist.MultiWorkerMirroredStrategy(backend='torch'), which passes it."
             )
         uses_cuda = any(DeviceSpec.parse(d).device_type == "GPU" for d in worker_devices[0])
         dist_backend = self._dist_backend or ("cpu:gloo,cuda:nccl" if uses_cuda else "gloo")
@@ -641,6 +643,20 @@ class TorchProcessGroupBackend(TorchBackend):
         )
         _LIVE.add(self)
         return (worker_index,)
+
+    # -- polydist.backend.SupportsWorkerProcesses: given as backend=, it is the engine ----------
+    def worker_cluster(
+        self,
+        cluster_resolver: ClusterResolver | None,
+        communication_options: CommunicationOptions | None,
+    ) -> ClusterToJoin:
+        """The cluster (see `TorchWorkerProcesses`)."""
+        return _worker_cluster(cluster_resolver, communication_options)
+
+    def worker_process_engine(self, cluster: ClusterToJoin, local_devices: int | None) -> Backend:
+        """This backend, ready to join ``cluster``."""
+        self.prepare(cluster.rendezvous, cluster.addresses, cluster.timeout)
+        return self
 
     def local_device_count(self, requested: int | None) -> tuple[str, int] | None:
         """``local_devices=N``: the first N CUDA devices, or N virtual CPU replicas."""
@@ -870,13 +886,50 @@ def _leave_at_exit() -> None:
             dist.destroy_process_group()
 
 
-class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
-    """``tf.distribute.MultiWorkerMirroredStrategy`` on torch: one process per worker.
+def _worker_cluster(
+    cluster_resolver: ClusterResolver | None, communication_options: CommunicationOptions | None
+) -> ClusterToJoin:
+    master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return mp.resolve_cluster(
+        cluster_resolver,
+        communication_options,
+        "RANK",
+        "WORLD_SIZE",
+        f"{master[0]}:{master[1]}" if all(master) else None,
+        what="torchrun",
+    )
 
-    Start one process per worker (``polydist launch -n N train.py``, ``torchrun
-    --nproc-per-node=N train.py``, or your cluster's launcher with ``TF_CONFIG``)
-    and create the strategy in each. See the module docstring for the
-    collectives, timeouts and faults, and ``docs/multi-host.md``.
+
+class TorchWorkerProcesses:
+    """The torch backend's `polydist.backend.SupportsWorkerProcesses` (entry point
+    ``polydist.worker_processes: torch``): ``MultiWorkerMirroredStrategy(backend="torch")``
+    runs on this process's shared `TorchProcessGroupBackend`. The cluster comes from the
+    ``cluster_resolver``, ``TF_CONFIG`` (``polydist launch`` sets it), or torchrun's
+    ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``."""
+
+    def worker_cluster(
+        self,
+        cluster_resolver: ClusterResolver | None,
+        communication_options: CommunicationOptions | None,
+    ) -> ClusterToJoin:
+        return _worker_cluster(cluster_resolver, communication_options)
+
+    def worker_process_engine(self, cluster: ClusterToJoin, local_devices: int | None) -> Backend:
+        backend = _shared_backend()
+        backend.prepare(cluster.rendezvous, cluster.addresses, cluster.timeout)
+        return backend
+
+
+#: What the ``polydist.worker_processes`` entry point ``torch`` names.
+WORKER_PROCESSES = TorchWorkerProcesses()
+
+
+class MultiWorkerMirroredStrategy(pd.MultiWorkerMirroredStrategy):
+    """Deprecated: use ``polydist.MultiWorkerMirroredStrategy(backend="torch")``.
+
+    Kept for one release: it warns (``DeprecationWarning``) and builds that strategy
+    on ``backend`` (default: this process's shared `TorchProcessGroupBackend`), so a
+    single worker also runs on the process-group engine, as before.
 
     Args:
         cluster_resolver: the cluster and this worker's task. Default:
@@ -899,6 +952,13 @@ class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
         local_devices: int | None = None,
         backend: TorchProcessGroupBackend | None = None,
     ) -> None:
+        warnings.warn(
+            "polydist_torch.MultiWorkerMirroredStrategy is deprecated and will be removed in the "
+            "next release: use polydist.MultiWorkerMirroredStrategy(backend='torch') (same "
+            "arguments; or set POLYDIST_BACKEND=torch, as `polydist launch --backend torch` does).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if backend is None:
             backend = _shared_backend()
         if not isinstance(backend, TorchProcessGroupBackend):
@@ -906,16 +966,6 @@ class MultiWorkerMirroredStrategy(MultiProcessMirroredStrategy):
                 "backend must be a polydist_torch.TorchProcessGroupBackend (or None for the "
                 f"process's shared one), got {type(backend).__name__} {backend!r}."
             )
-        master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        cluster = mp.resolve_cluster(
-            cluster_resolver,
-            communication_options,
-            "RANK",
-            "WORLD_SIZE",
-            f"{master[0]}:{master[1]}" if all(master) else None,
-            what="torchrun",
-        )
-        backend.prepare(cluster.rendezvous, cluster.addresses, cluster.timeout)
         super().__init__(
-            cluster.resolver, communication_options, backend=backend, local_devices=local_devices
+            cluster_resolver, communication_options, backend=backend, local_devices=local_devices
         )

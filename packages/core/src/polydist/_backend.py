@@ -34,13 +34,17 @@ from polydist.errors import BackendNotFoundError
 if TYPE_CHECKING:
     import numpy as np
 
+    from polydist._communication import CommunicationOptions
     from polydist._reduce_op import ReduceOp
     from polydist._strategy import StrategyExtended
+    from polydist.cluster_resolver import ClusterResolver
     from polydist.tpu import LocalTPUSystem
 
 __all__ = [
     "Backend",
     "Capabilities",
+    "ClusterToJoin",
+    "SupportsWorkerProcesses",
     "ReplicaChannel",
     "available_backends",
     "backends_owning",
@@ -54,6 +58,10 @@ ENTRY_POINT_GROUP = "polydist.backends"
 #: Entry points ``NAME = "module:Type"``: backend ``NAME`` owns the arrays of ``Type``
 #: (e.g. ``torch = "torch:Tensor"``). Read without importing ``module``: see `backends_owning`.
 ARRAY_TYPES_GROUP = "polydist.array_types"
+#: Entry points ``NAME = "module:object"``: backend ``NAME`` runs ``MultiWorkerMirroredStrategy``
+#: with one process per worker; ``object`` is its `SupportsWorkerProcesses`. Loaded without
+#: creating the backend (JAX must join its cluster before its devices start).
+WORKER_PROCESSES_GROUP = "polydist.worker_processes"
 ENV_VAR = "POLYDIST_BACKEND"
 DEFAULT_BACKEND = "sim"
 
@@ -252,6 +260,79 @@ _instances: dict[str, Backend] = {}
 _entry_points: dict[str, importlib.metadata.EntryPoint] | None = None
 _array_type_entry_points: tuple[importlib.metadata.EntryPoint, ...] | None = None
 _array_types: dict[str, type | None] = {}
+
+
+@dataclass(frozen=True)
+class ClusterToJoin:
+    """A worker process's cluster, as its engine joins it (see `SupportsWorkerProcesses`)."""
+
+    resolver: ClusterResolver
+    #: Each worker's address by worker index (for messages); empty without a cluster.
+    addresses: list[str]
+    #: Worker 0's ``host:port``, where the engines meet; ``None`` without a cluster.
+    rendezvous: str | None
+    #: The bound on joining and on each collective, in seconds.
+    timeout: float
+
+
+@runtime_checkable
+class SupportsWorkerProcesses(Protocol):
+    """How a backend runs ``MultiWorkerMirroredStrategy`` with one process per worker
+    (``torch.distributed``, ``jax.distributed``), where the sim simulates the cluster.
+
+    Declared under the entry-point group ``polydist.worker_processes`` with the
+    backend's name, or implemented by a backend object passed as ``backend=`` (an
+    engine such as ``TorchProcessGroupBackend``, or a configured provider such as
+    ``polydist_jax.JaxWorkerProcesses(jit=False)``). The strategy calls
+    ``worker_cluster`` first; when the cluster has several workers (or
+    ``local_devices`` is given, or the backend object is an engine), it calls
+    ``worker_process_engine`` and runs on the backend that returns: its list
+    collectives span every worker's process, and it implements
+    ``connect_cluster``, ``local_device_count`` and ``broadcast_from_chief``
+    (see ``docs/extending.md``).
+    """
+
+    def worker_cluster(
+        self,
+        cluster_resolver: ClusterResolver | None,
+        communication_options: CommunicationOptions | None,
+    ) -> ClusterToJoin:
+        """The cluster of this process: ``cluster_resolver``, else ``TF_CONFIG``, else the
+        environment of the backend's launcher (``torchrun``, ``polydist launch``)."""
+        ...
+
+    def worker_process_engine(self, cluster: ClusterToJoin, local_devices: int | None) -> Backend:
+        """The backend whose collectives span the worker processes, ready to join
+        ``cluster`` (with ``local_devices`` replicas per worker; ``None``: TF's rule)."""
+        ...
+
+
+_worker_processes: dict[str, SupportsWorkerProcesses | None] = {}
+
+
+def worker_processes(
+    backend: str | Backend | SupportsWorkerProcesses | None,
+) -> SupportsWorkerProcesses | None:
+    """What runs ``MultiWorkerMirroredStrategy(backend=backend)`` with one process per
+    worker: a backend object implementing `SupportsWorkerProcesses`, or for a name
+    (``None``: ``$POLYDIST_BACKEND``, then ``sim``) its ``polydist.worker_processes``
+    entry point. ``None``: the backend declares none (it simulates clusters, or has
+    none). The backend itself is not created."""
+    if backend is not None and not isinstance(backend, str):
+        return backend if isinstance(backend, SupportsWorkerProcesses) else None
+    name = backend or os.environ.get(ENV_VAR) or DEFAULT_BACKEND
+    if name not in _worker_processes:  # loaded outside _lock: the import may create backends
+        eps = importlib.metadata.entry_points(group=WORKER_PROCESSES_GROUP)
+        ep = next((e for e in eps if e.name == name), None)
+        provider = ep.load() if ep is not None else None
+        if ep is not None and not isinstance(provider, SupportsWorkerProcesses):
+            raise TypeError(
+                f"Entry point {ep.value!r} for backend {name!r} in group "
+                f"{WORKER_PROCESSES_GROUP!r} is a {type(provider).__name__}, not a "
+                "polydist.backend.SupportsWorkerProcesses."
+            )
+        _worker_processes[name] = provider
+    return _worker_processes[name]
 
 
 def _discover() -> dict[str, importlib.metadata.EntryPoint]:
@@ -464,6 +545,7 @@ def _reset_registry_for_tests() -> None:
     global _entry_points, _array_type_entry_points
     with _lock:
         _instances.clear()
+        _worker_processes.clear()
         _entry_points = None
         _array_type_entry_points = None
         _array_types.clear()

@@ -25,22 +25,35 @@ the choice onto the backend's collectives:
 * Any other backend that defines ``with_cross_device_ops(ops)`` gets that
   call (it returns the backend to use); else the backend's own collectives run.
 
-Cross-replica reductions of a strategy that has ``cross_device_ops`` go
-through its ``reduce``/``batch_reduce``/``broadcast`` (and so through the
-``*_implementation`` hooks of a user subclass), as in TF.
+Every cross-replica reduction of a strategy goes through the strategy's
+``CrossDeviceOps`` (TF's model): the one passed as ``cross_device_ops`` (through
+its ``reduce``/``batch_reduce``/``broadcast``, and so through the
+``*_implementation`` hooks of a user subclass), else `CollectiveAllReduce`, the
+backend's own collectives. What differs between one process, a simulated
+cluster and one process per worker is the `ReplicaGroup` the strategy supplies
+(``StrategyExtended._replica_group``): its devices, MEAN's divisor, and whether
+the sum crosses processes. The reduce tail (place, the engine's SUM, MEAN,
+``Mirrored``, the trace) is `reduce_over_group`, and MEAN's rule is applied in
+`apply_mean` only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from polydist import _context, _indexed_slices
+import numpy as np
+
+from polydist import _context, _indexed_slices, _trace
 from polydist._arrays import check_summable, convert_to_array, describe, is_array, mean_from_sum
-from polydist._backend import Backend
+from polydist._backend import Backend, batch_all_reduce
+from polydist._collective_check import collective_intent
+from polydist._communication import bytes_per_pack, current_call_options
 from polydist._devices import HOST_DEVICE, canonicalize
 from polydist._reduce_op import ReduceOp, as_reduce_op
 from polydist._values import DistributedValues, Mirrored, PerReplica, regroup
@@ -52,6 +65,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AllReduceCrossDeviceOps",
+    "CollectiveAllReduce",
     "CrossDeviceOps",
     "HierarchicalCopyAllReduce",
     "NcclAllReduce",
@@ -148,14 +162,124 @@ def check_cross_device_ops(ops: Any) -> CrossDeviceOps | None:
     )
 
 
+# -- the group and the reduce tail ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Who a cross-replica reduction spans, as the strategy supplies it (its group provider).
+
+    One process's replicas, a simulated cluster and one process per worker differ here
+    only; the reduction itself is `reduce_over_group` for all of them.
+    """
+
+    backend: Backend
+    #: Where each of this process's values is placed before the engine's SUM.
+    devices: tuple[str, ...]
+    #: How many values the engine's SUM adds up (every worker's): MEAN's divisor.
+    size: int
+    #: What the trace records as the collective's participants; ``None``: nothing.
+    participants: tuple[str, ...] | None = None
+    #: The SUM crosses processes: announce the reduce op to the workers' agreement
+    #: check, and let a batch go to the engine together (packed).
+    across_processes: bool = False
+
+
+def apply_mean(xp: Any, reduce_op: ReduceOp, values: list[Any], size: int) -> list[Any]:
+    """MEAN's rule, applied to the SUMs of a group of ``size`` values (the one place)."""
+    if reduce_op is not ReduceOp.MEAN:
+        return values
+    return [mean_from_sum(xp, v, size) for v in values]
+
+
+def record(
+    op: str,
+    reduce_op: ReduceOp | None,
+    example: Any,
+    participants: Sequence[str],
+    backend: Backend,
+) -> None:
+    """Records a cross-replica collective in the active trace (if any)."""
+    if _trace.is_tracing():
+        dtype = describe(example).split("[")[0]
+        shape = tuple(int(d) for d in example.shape)
+        _trace.record_collective(
+            op,
+            reduce_op=reduce_op.value if reduce_op else None,
+            dtype=dtype,
+            nbytes=int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize,
+            shape=shape,
+            participants=tuple(participants),
+            backend=backend.name,
+        )
+
+
+def intent(group: ReplicaGroup, reduce_op: ReduceOp) -> contextlib.AbstractContextManager[Any]:
+    return (
+        collective_intent(reduce_op.value) if group.across_processes else contextlib.nullcontext()
+    )
+
+
+def reduce_over_group(
+    group: ReplicaGroup,
+    reduce_op: ReduceOp,
+    arrays: Sequence[Any],
+    destinations: tuple[str, ...] | str,
+    *,
+    op: str | None = None,
+) -> Any:
+    """The reduce tail: places this process's ``arrays`` on the group's devices, SUMs them
+    with the engine (``all_reduce`` onto a tuple of devices: a ``Mirrored``;
+    ``reduce_to`` onto one device: an array), applies MEAN and records the collective
+    (as ``op``, default ``"all_reduce"``/``"reduce_to"``)."""
+    check_summable(reduce_op, arrays)
+    backend = group.backend
+    placed = [backend.place(a, d) for a, d in zip(arrays, group.devices)]
+    with intent(group, reduce_op):
+        if isinstance(destinations, tuple):
+            sums = backend.all_reduce(placed, destinations)
+        else:
+            sums = [backend.reduce_to(placed, destinations)]
+    if group.participants is not None:
+        kind = op or ("all_reduce" if isinstance(destinations, tuple) else "reduce_to")
+        record(kind, reduce_op, arrays[0], group.participants, backend)
+    sums = apply_mean(backend.array_namespace(), reduce_op, sums, group.size)
+    return Mirrored(sums) if isinstance(destinations, tuple) else sums[0]
+
+
+def batch_reduce_over_group(
+    group: ReplicaGroup,
+    reduce_op: ReduceOp,
+    columns: Sequence[Sequence[Any]],
+    destinations: tuple[str, ...],
+    bytes_per_pack: int,
+) -> list[Any]:
+    """`reduce_over_group` of several columns onto the same devices, given to the engine
+    together (`polydist.backend.batch_all_reduce`: one collective per pack)."""
+    for column in columns:
+        check_summable(reduce_op, column)
+    backend = group.backend
+    placed = [[backend.place(a, d) for a, d in zip(c, group.devices)] for c in columns]
+    with intent(group, reduce_op):
+        sums = batch_all_reduce(backend, placed, destinations, bytes_per_pack)
+    xp = backend.array_namespace()
+    results: list[Any] = []
+    for column, reduced in zip(placed, sums, strict=True):
+        if group.participants is not None:
+            record("all_reduce", reduce_op, column[0], group.participants, backend)
+        results.append(Mirrored(apply_mean(xp, reduce_op, reduced, group.size)))
+    return results
+
+
 # -- the strategy's glue ---------------------------------------------------------------------
 
 
 def strategy_reduce(
     extended: StrategyExtended, reduce_op: ReduceOp, value: Any, destinations: Any
 ) -> Any:
-    """``StrategyExtended._reduce_to`` of a per-replica value, via its ``cross_device_ops``."""
-    ops = extended._cross_device_ops
+    """``StrategyExtended._reduce_to`` of a per-replica value, via the strategy's
+    ``CrossDeviceOps`` (its ``cross_device_ops``, else `CollectiveAllReduce`)."""
+    ops = extended._collective_ops
     with active(extended):
         return ops.reduce(reduce_op, value, destinations)
 
@@ -195,6 +319,27 @@ def _devices_of(destinations: Any) -> tuple[str, ...]:
     if isinstance(destinations, str):
         return (canonicalize(destinations),)
     return (_device_of(destinations),)
+
+
+def destination(destinations: Any) -> str:
+    """The one device a reduction onto ``destinations`` (not a distributed value) lands on."""
+    if isinstance(destinations, str):
+        return canonicalize(destinations)
+    if isinstance(destinations, Sequence) and destinations and isinstance(destinations[0], str):
+        return canonicalize(destinations[0])
+    device = getattr(destinations, "device", None)
+    if isinstance(device, str):
+        return canonicalize(device)
+    raise ValueError(
+        f"destinations must be a device string, a distributed value or a variable, got "
+        f"{type(destinations).__name__} {destinations!r}."
+    )
+
+
+def destination_devices(destinations: Any) -> tuple[str, ...]:
+    """Where a strategy's reduction onto a distributed value (or variable) puts its
+    result: the device of each of its components."""
+    return tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
 
 
 def _devices_match(left: Any, right: Any) -> bool:
@@ -393,15 +538,11 @@ class ReductionToOneDevice(CrossDeviceOps):
     def _simple_reduce(self, value: DistributedValues, device: str, reduce_op: ReduceOp) -> Any:
         arrays = _arrays(value)
         backend = backend_with_order(_current_backend(), "sequential")
-        if self.accumulation_fn is not None:
+        if self.accumulation_fn is not None:  # it decides for itself what it accepts
             total = self.accumulation_fn(arrays)
-        else:  # add_n; a user's accumulation_fn decides for itself what it accepts
-            check_summable(reduce_op, arrays)
-            placed = [backend.place(a, _device_of(v)) for a, v in zip(arrays, value.values)]
-            total = backend.reduce_to(placed, canonicalize(device))
-        if reduce_op is ReduceOp.MEAN:
-            total = mean_from_sum(backend.array_namespace(), total, len(arrays))
-        return total
+            return apply_mean(backend.array_namespace(), reduce_op, [total], len(arrays))[0]
+        group = ReplicaGroup(backend, tuple(_device_of(v) for v in value.values), len(arrays))
+        return reduce_over_group(group, reduce_op, arrays, canonicalize(device))  # add_n
 
     def __repr__(self) -> str:
         return (
@@ -445,14 +586,9 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
 
     def _all_reduce(self, reduce_op: ReduceOp, value: DistributedValues, destinations: Any) -> Any:
         arrays = _arrays(value)
-        check_summable(reduce_op, arrays)
         backend = backend_with_order(_current_backend(), self._all_reduce_order)
-        placed = [backend.place(a, _device_of(v)) for a, v in zip(arrays, value.values)]
-        sums = backend.all_reduce(placed, _devices_of(destinations))
-        if reduce_op is ReduceOp.MEAN:
-            xp = backend.array_namespace()
-            sums = [mean_from_sum(xp, s, len(arrays)) for s in sums]
-        return Mirrored(sums)
+        group = ReplicaGroup(backend, tuple(_device_of(v) for v in value.values), len(arrays))
+        return reduce_over_group(group, reduce_op, arrays, _devices_of(destinations))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_packs={self._num_packs})"
@@ -493,3 +629,93 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
                 f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified"
             )
         super().__init__(all_reduce_alg="hierarchical_copy", num_packs=num_packs)
+
+
+class CollectiveAllReduce(CrossDeviceOps):
+    """The backend's own collectives over the strategy's `ReplicaGroup`: the
+    ``CrossDeviceOps`` of every strategy created without ``cross_device_ops`` (TF's
+    ``CollectiveAllReduce``, the one of ``MultiWorkerMirroredStrategy``).
+
+    The strategy has validated the value (``StrategyExtended._reduce_to``), so
+    ``reduce`` goes straight to the group.
+    """
+
+    def reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        per_replica_value: Any,
+        destinations: Any,
+        options: Any = None,
+    ) -> Any:
+        return self.reduce_implementation(
+            as_reduce_op(reduce_op), per_replica_value, destinations, options
+        )
+
+    def reduce_implementation(
+        self, reduce_op: ReduceOp, per_replica_value: Any, destinations: Any, options: Any
+    ) -> Any:
+        arrays = [convert_to_array(v) for v in per_replica_value.values]
+        group = _active_extended()._replica_group(len(arrays))
+        dests: tuple[str, ...] | str = (
+            destination_devices(destinations)
+            if isinstance(destinations, DistributedValues)
+            else destination(destinations)
+        )
+        return reduce_over_group(group, reduce_op, arrays, dests)
+
+    def batch_reduce_implementation(
+        self, reduce_op: ReduceOp, value_destination_pairs: Sequence[tuple[Any, Any]], options: Any
+    ) -> list[Any]:
+        return [
+            self.reduce_implementation(reduce_op, v, d, options) for v, d in value_destination_pairs
+        ]
+
+    def batch_reduce_dense(
+        self, extended: StrategyExtended, reduce_op: ReduceOp, pairs: Sequence[tuple[Any, Any]]
+    ) -> list[Any] | None:
+        """As TF's collective all-reduce across workers: when every pair is a dense
+        per-replica value and a distributed destination on the same devices (a model's
+        (gradient, variable) pairs), the values go to the engine together
+        (`batch_reduce_over_group`: one collective per pack on torch and JAX). ``None``:
+        the caller reduces them one by one (one process: always, as TF does)."""
+        from polydist._strategy import _check_same_shape
+
+        n = len(extended._devices)
+        group = extended._replica_group(n)
+        if not group.across_processes or len(pairs) < 2:
+            return None
+        columns: list[list[Any]] = []
+        devices: tuple[str, ...] | None = None
+        for value, destinations in pairs:
+            value = read_for_reduce(value)
+            if (
+                not isinstance(value, DistributedValues)
+                or isinstance(value, Mirrored)
+                or not isinstance(destinations, DistributedValues)
+                or len(value.values) != n
+                or any(isinstance(v, _indexed_slices.IndexedSlices) for v in value.values)
+            ):
+                return None
+            here = destination_devices(value)
+            if destination_devices(destinations) != here or devices not in (None, here):
+                return None  # TF: "not efficient"
+            devices = here
+            components = [convert_to_array(v) for v in value.values]
+            _check_same_shape(components, "reduce")
+            columns.append(components)
+        assert devices is not None
+        packing = bytes_per_pack(
+            getattr(extended, "_communication_options", None), current_call_options()
+        )
+        return batch_reduce_over_group(group, reduce_op, columns, devices, packing)
+
+
+#: The `CollectiveAllReduce` of every strategy without ``cross_device_ops`` (it is stateless).
+COLLECTIVE_ALL_REDUCE = CollectiveAllReduce()
+
+
+def _active_extended() -> StrategyExtended:
+    extended = _ACTIVE.get()
+    if extended is None:
+        extended = _context.get_strategy().extended
+    return extended  # type: ignore[no-any-return]

@@ -103,10 +103,12 @@ def reduce(
     components: Sequence[IndexedSlices],
     placed_on: Sequence[str],
     devices: Sequence[str],
+    count: int | None = None,
 ) -> list[IndexedSlices]:
     """The SUM or MEAN of one ``IndexedSlices`` per replica (``placed_on[r]`` holds
     replica ``r``'s), on each of ``devices``: every replica's rows, concatenated in
-    replica order; MEAN divides the values by the number of replicas (TF)."""
+    replica order; MEAN divides the values by the number of replicas (TF): ``count``,
+    default ``len(components)`` (a gather across processes: every worker's replicas)."""
     _check_mergeable(components)
     values = [backend.place(c.values, d) for c, d in zip(components, placed_on)]
     indices = [backend.place(c.indices, d) for c, d in zip(components, placed_on)]
@@ -114,7 +116,8 @@ def reduce(
     all_indices = backend.all_gather(indices, 0, devices)
     if reduce_op is ReduceOp.MEAN:
         xp = backend.array_namespace()
-        all_values = [mean_from_sum(xp, v, len(components)) for v in all_values]
+        n = len(components) if count is None else count
+        all_values = [mean_from_sum(xp, v, n) for v in all_values]
     shape = components[0].dense_shape
     return [IndexedSlices(v, i, shape) for v, i in zip(all_values, all_indices)]
 

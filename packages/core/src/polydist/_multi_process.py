@@ -17,12 +17,14 @@ engine half, a backend that implements `WorkerProcessBackend`:
 * ``broadcast_from_chief`` copies worker 0's value to every worker;
 * ``local_device_count`` says how many replicas this worker runs.
 
-`MultiProcessExtended` then fixes what the single-process strategy cannot
-know: the global replica ids (``worker_index * D + local index``), MEAN's
-divisor (``W x D``, not this worker's D), reductions of host values and of
-counts across workers, gathers of one local component, and variables whose
-initial values come from worker 0 (as TF's ``CollectiveAllReduceExtended``
-broadcasts them).
+`MultiProcessExtended` (which ``MultiWorkerMirroredStrategy`` builds when its
+backend declares `polydist.backend.SupportsWorkerProcesses`) then fixes what the
+single-process strategy cannot know: the global replica ids
+(``worker_index * D + local index``), MEAN's divisor (``W x D``, not this
+worker's D: its ``ReplicaGroup``), reductions of host values and of counts
+across workers, gathers of one local component, and variables whose initial
+values come from worker 0 (as TF's ``CollectiveAllReduceExtended`` broadcasts
+them).
 
 What stays per worker, as in TF: ``experimental_local_results``,
 ``worker_devices``, ``should_checkpoint`` (the chief only) and the input
@@ -50,19 +52,15 @@ from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
-from polydist import _trace, _variables, errors
+from polydist import _cross_device_ops, _trace, _variables, errors
 from polydist._arrays import (
-    check_summable,
     convert_to_array,
-    divide_exactly,
-    is_integral,
-    mean_from_sum,
 )
 from polydist._backend import (
     Backend,
     Capabilities,
+    ClusterToJoin,
     ReplicaChannel,
-    batch_all_reduce,
     is_symbolic,
 )
 from polydist._cluster import InReplicaContext
@@ -71,33 +69,21 @@ from polydist._collective_check import (
     Pending,
     SignatureStore,
     checks_enabled,
-    collective_intent,
 )
 from polydist._communication import (
     CommunicationOptions,
-    bytes_per_pack,
-    current_call_options,
 )
-from polydist._devices import HOST_DEVICE, DeviceSpec
+from polydist._devices import DeviceSpec
 from polydist._eager import EagerReplicaRunner
-from polydist._indexed_slices import IndexedSlices
-from polydist._multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
+from polydist._multi_worker import MultiWorkerExtended
 from polydist._reduce_op import ReduceOp
-from polydist._replica_context import ReplicaContext, _check_gather_axis
+from polydist._replica_context import ReplicaContext
 from polydist._strategy import (
     Strategy,
-    _check_gather_shapes,
-    _check_same_shape,
-    _current_device,
-    _destination,
-    _normalize_axis,
 )
 from polydist._values import (
     DistributedValues,
     Mirrored,
-    PerReplica,
-    ValueContext,
-    regroup,
 )
 from polydist.cluster_resolver import (
     ClusterResolver,
@@ -116,7 +102,6 @@ __all__ = [
     "HeartbeatStore",
     "NO_TIMEOUT_SECONDS",
     "MultiProcessExtended",
-    "MultiProcessMirroredStrategy",
     "ReplicaRunners",
     "WorkerProcessBackend",
     "check_joining",
@@ -149,8 +134,10 @@ def collective_timeout(options: CommunicationOptions | None) -> float:
 
 @runtime_checkable
 class WorkerProcessBackend(Protocol):
-    """The engine half of `MultiProcessMirroredStrategy` (besides ``Backend`` and
-    ``ClusterBackend.connect_cluster``, which returns ``(worker_index,)``)."""
+    """The engine half of ``MultiWorkerMirroredStrategy`` with one process per worker
+    (what `polydist.backend.SupportsWorkerProcesses.worker_process_engine` returns),
+    besides ``Backend`` and ``ClusterBackend.connect_cluster`` (which returns
+    ``(worker_index,)``)."""
 
     def local_device_count(self, requested: int | None) -> tuple[str, int] | None:
         """This worker's replica device type and count for ``local_devices=requested``;
@@ -233,19 +220,6 @@ def default_cluster_resolver(*fallbacks: ClusterResolver | None) -> ClusterResol
     return tf_config
 
 
-@dataclasses.dataclass(frozen=True)
-class ClusterToJoin:
-    """A worker process's cluster, as its engine joins it (see `resolve_cluster`)."""
-
-    resolver: ClusterResolver
-    #: Each worker's address by worker index (for messages); empty without a cluster.
-    addresses: list[str]
-    #: Worker 0's ``host:port``, where the engines meet; ``None`` without a cluster.
-    rendezvous: str | None
-    #: The bound on joining and on each collective (`collective_timeout`).
-    timeout: float
-
-
 def resolve_cluster(
     cluster_resolver: ClusterResolver | None,
     communication_options: CommunicationOptions | None,
@@ -288,14 +262,6 @@ def resolve_cluster(
         rendezvous_address(cluster_resolver),
         collective_timeout(communication_options),
     )
-
-
-def _destination_devices(destinations: Any) -> tuple[str, ...]:
-    """Where a reduction onto ``destinations`` puts its result: every component's device
-    of a distributed value (or variable), else the one device."""
-    if isinstance(destinations, DistributedValues):
-        return tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
-    return (_destination(destinations),)
 
 
 def shape_row(shape: Sequence[int]) -> np.ndarray:
@@ -373,8 +339,8 @@ class _WorkerReplicaContext(ReplicaContext):
 
 
 class MultiProcessExtended(MultiWorkerExtended):
-    """``StrategyExtended`` of `MultiProcessMirroredStrategy`: this worker's replicas,
-    collectives across every worker's process."""
+    """``StrategyExtended`` of ``MultiWorkerMirroredStrategy`` on an engine with one process
+    per worker: this worker's replicas, collectives across every worker's process."""
 
     def __init__(
         self,
@@ -390,10 +356,9 @@ class MultiProcessExtended(MultiWorkerExtended):
         if self._simulated_workers != (self._id_in_cluster,):
             raise RuntimeError(
                 f"Backend {self._backend.name!r} runs workers {self._simulated_workers} in this "
-                f"process; a MultiProcessMirroredStrategy needs a backend with one process per "
-                f"worker, whose connect_cluster returns only this worker "
-                f"({self._id_in_cluster},). Use polydist.MultiWorkerMirroredStrategy for a "
-                "simulated cluster."
+                "process, but it was given as an engine with one process per worker, whose "
+                f"connect_cluster returns only this worker ({self._id_in_cluster},). For a "
+                "simulated cluster use MultiWorkerMirroredStrategy(backend='sim')."
             )
 
     # -- layout --------------------------------------------------------------------------------
@@ -421,99 +386,51 @@ class MultiProcessExtended(MultiWorkerExtended):
         wrapped = InReplicaContext(fn, _WorkerReplicaContext)
         return super()._call_for_each_replica(wrapped, args, kwargs)
 
-    # -- reductions -----------------------------------------------------------------------------
-    def _reduce_to(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
+    # -- reductions: the group spans every worker's process ------------------------------------
+    def _replica_group(self, count: int) -> _cross_device_ops.ReplicaGroup:
+        group = super()._replica_group(count)
         if self._num_workers == 1:
-            return super()._reduce_to(reduce_op, value, destinations)
-        value = _variables.read_for_reduce(value)
-        if isinstance(value, Mirrored) or not isinstance(value, DistributedValues):
-            # Mirrored: MEAN is this worker's copy, SUM an error. A host value: below.
-            return super()._reduce_to(reduce_op, value, destinations)
-        components = [convert_to_array(v) for v in value.values]
+            return group
+        # The engine's SUM adds every worker's replicas: MEAN divides by W x D.
+        return dataclasses.replace(group, size=count * self._num_workers, across_processes=True)
+
+    def _check_reduce_components(self, value: DistributedValues) -> None:
         d = self._num_devices_per_worker
-        if len(components) != d:
+        if self._num_workers > 1 and not isinstance(value, Mirrored) and len(value.values) != d:
             raise ValueError(
-                f"Cannot reduce a {type(value).__name__} with {len(components)} components on "
+                f"Cannot reduce a {type(value).__name__} with {len(value.values)} components on "
                 f"worker {self._id_in_cluster} of {self._num_workers}: each worker holds one "
                 f"component per local replica ({d}), as strategy.run returns them; the "
                 "reduction then spans every worker's replicas. Pass the value strategy.run "
                 "returned (or experimental_distribute_values_from_function's)."
             )
-        _check_same_shape(components, "reduce")
-        check_summable(reduce_op, components)
-        backend = self._backend
-        placed = self._place_components(components)
-        n = self._num_replicas_in_sync
-        if isinstance(destinations, DistributedValues):
-            dests = tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
-            with collective_intent(reduce_op.value):
-                sums = backend.all_reduce(placed, dests)
-            self._record("all_reduce", reduce_op, components[0])
-            if reduce_op is ReduceOp.MEAN:
-                xp = backend.array_namespace()
-                sums = [mean_from_sum(xp, s, n) for s in sums]
-            return Mirrored(sums)
-        with collective_intent(reduce_op.value):
-            total = backend.reduce_to(placed, _destination(destinations))
-        self._record("reduce_to", reduce_op, components[0])
-        if reduce_op is ReduceOp.MEAN:
-            total = mean_from_sum(backend.array_namespace(), total, n)
-        return total
+        super()._check_reduce_components(value)
 
-    def _batch_reduce_to(self, reduce_op: ReduceOp, pairs: list[tuple[Any, Any]]) -> list[Any]:
-        """As TF's collective all-reduce: when every pair is a dense per-replica value and
-        a distributed destination on the same devices (a model's (gradient, variable)
-        pairs), the values go to the backend together (`polydist.backend.batch_all_reduce`:
-        one collective per pack on torch and JAX); otherwise they reduce one by one."""
-        if self._num_workers == 1 or len(pairs) < 2:
-            return super()._batch_reduce_to(reduce_op, pairs)
-        columns: list[list[Any]] = []
-        devices: tuple[str, ...] | None = None
-        for value, destinations in pairs:
-            value = _variables.read_for_reduce(value)
-            if (
-                not isinstance(value, DistributedValues)
-                or isinstance(value, Mirrored)
-                or not isinstance(destinations, DistributedValues)
-                or len(value.values) != self._num_devices_per_worker
-                or any(isinstance(v, IndexedSlices) for v in value.values)
-            ):
-                return super()._batch_reduce_to(reduce_op, pairs)
-            here = _destination_devices(value)
-            if _destination_devices(destinations) != here or devices not in (None, here):
-                return super()._batch_reduce_to(reduce_op, pairs)  # TF: "not efficient"
-            devices = here
-            components = [convert_to_array(v) for v in value.values]
-            _check_same_shape(components, "reduce")
-            check_summable(reduce_op, components)
-            columns.append(self._place_components(components))
-        assert devices is not None
-        backend, n = self._backend, self._num_replicas_in_sync
-        with collective_intent(reduce_op.value):
-            sums = batch_all_reduce(
-                backend,
-                columns,
-                devices,
-                bytes_per_pack(self._communication_options, current_call_options()),
-            )
-        results: list[Any] = []
-        for column, reduced in zip(columns, sums, strict=True):
-            self._record("all_reduce", reduce_op, column[0])
-            if reduce_op is ReduceOp.MEAN:
-                xp = backend.array_namespace()
-                reduced = [mean_from_sum(xp, s, n) for s in reduced]
-            results.append(Mirrored(reduced))
-        return results
-
-    def _reduce_host_value(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
+    def _host_group(self) -> _cross_device_ops.ReplicaGroup | None:
         # As TF (and the sim): every worker contributes its copy once: SUM is W * value.
-        array = convert_to_array(value)
-        check_summable(reduce_op, [array])
-        with collective_intent(reduce_op.value):
-            total = self._sum_over_workers(array)
-        if reduce_op is ReduceOp.MEAN:
-            total = mean_from_sum(self._backend.array_namespace(), total, self._num_workers)
-        return self._to_destinations(total, destinations)
+        if self._num_workers == 1:
+            return None
+        return _cross_device_ops.ReplicaGroup(
+            self._backend,
+            (self._worker_device,),
+            self._num_workers,
+            self._devices,
+            across_processes=True,
+        )
+
+    @property
+    def _local_replica_count(self) -> int:
+        return self._num_devices_per_worker
+
+    def _count_over_group(self, local: int, numer: Any) -> int:
+        if self._num_workers == 1:
+            return local
+        if is_symbolic(self._backend, numer):
+            # A compiled step: every worker runs this program, with these very shapes.
+            return local * self._num_workers
+        # Eager: the workers' batches may differ (a partial last batch).
+        counted = self._sum_over_workers(np.asarray(local, dtype=np.int64))
+        return int(self._backend.to_numpy(counted))
 
     def _sum_over_workers(self, array: Any) -> Any:
         """The sum of one host array per worker (a collective), on this worker's host."""
@@ -524,18 +441,6 @@ class MultiProcessExtended(MultiWorkerExtended):
         if self._num_workers == 1:
             return placed
         return backend.reduce_to([placed], self._worker_device)
-
-    def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
-        if self._num_workers == 1 or not isinstance(value, DistributedValues):
-            return super()._gather_to(value, destination, axis)
-        components = [convert_to_array(v) for v in value.values]
-        for c in components:
-            _check_gather_axis(c, axis)
-        _check_gather_shapes(components, axis, same_shape=self._gather_needs_same_shape)
-        placed = self._place_components(components)
-        result = self._backend.all_gather(placed, axis, [destination])[0]
-        self._record("gather", None, components[0])
-        return result
 
     # -- variables ------------------------------------------------------------------------------
     def _create_variable(self, **kwargs: Any) -> Any:
@@ -557,95 +462,11 @@ def _engine(backend: Backend) -> WorkerProcessBackend:
     if not isinstance(backend, WorkerProcessBackend):
         raise TypeError(
             f"Backend {backend.name!r} ({type(backend).__name__}) does not run one process per "
-            "worker: a MultiProcessMirroredStrategy needs a backend implementing "
+            "worker: a MultiWorkerMirroredStrategy on it needs a backend implementing "
             "polydist._multi_process.WorkerProcessBackend (local_device_count, "
             "broadcast_from_chief), such as polydist_torch's or polydist_jax's."
         )
     return backend
-
-
-class MultiProcessMirroredStrategy(MultiWorkerMirroredStrategy):
-    """``MultiWorkerMirroredStrategy`` on an engine with one process per worker.
-
-    Backend packages subclass it (``polydist_torch.MultiWorkerMirroredStrategy``)
-    and pass their backend; see the module docstring for what differs from the
-    simulated cluster.
-    """
-
-    _extended_class = MultiProcessExtended
-
-    def __init__(
-        self,
-        cluster_resolver: ClusterResolver | None = None,
-        communication_options: CommunicationOptions | None = None,
-        *,
-        backend: str | Backend | None = None,
-        local_devices: int | None = None,
-    ) -> None:
-        if local_devices is not None and (
-            isinstance(local_devices, bool) or not isinstance(local_devices, int)
-        ):
-            raise TypeError(
-                f"local_devices must be a positive int or None, got "
-                f"{type(local_devices).__name__} {local_devices!r}."
-            )
-        if local_devices is not None and local_devices < 1:
-            raise ValueError(f"local_devices must be >= 1, got {local_devices}.")
-        self._requested_local_devices = local_devices
-        super().__init__(cluster_resolver, communication_options, backend=backend)
-
-    @property
-    def extended(self) -> MultiProcessExtended:
-        """A `MultiProcessExtended` with additional methods."""
-        extended = self._extended
-        assert isinstance(extended, MultiProcessExtended)
-        return extended
-
-    def _reduce_with_axis(self, reduce_op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
-        extended = self.extended
-        if extended._num_workers == 1:
-            return super()._reduce_with_axis(reduce_op, value, axis)
-        if isinstance(value, DistributedValues):
-            components = [convert_to_array(v) for v in value.values]
-        else:
-            # Each worker's replicas each hold the value (TF runs the local reduction per replica).
-            components = [convert_to_array(value)] * extended._num_devices_per_worker
-        check_summable(reduce_op, components)  # the local reduce_sum is a SUM too
-        components = extended._place_components(components)  # NumPy inputs: backend arrays
-        xp = extended._backend.array_namespace()
-        axes = _normalize_axis(axis, components[0])
-        sums = PerReplica([xp.sum(c, axis=axes, dtype=c.dtype) for c in components])
-        with collective_intent(reduce_op.value):
-            numer = extended._reduce_to(ReduceOp.SUM, sums, _current_device())
-        if reduce_op is ReduceOp.SUM:
-            return numer
-        local = sum(int(np.prod([c.shape[a] for a in axes], dtype=np.int64)) for c in components)
-        if is_symbolic(extended._backend, numer):
-            # A compiled step: every worker runs this program, with these very shapes.
-            denom = local * extended._num_workers
-        else:  # eager: the workers' batches may differ (a partial last batch)
-            with collective_intent(reduce_op.value):
-                counted = extended._sum_over_workers(np.asarray(local, dtype=np.int64))
-            denom = int(extended._backend.to_numpy(counted))
-        numer = xp.asarray(numer)
-        with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
-            if is_integral(xp, numer.dtype):
-                return xp.asarray(divide_exactly(xp, xp.astype(numer, xp.float64), denom))
-            return xp.asarray(divide_exactly(xp, numer, xp.asarray(denom, dtype=numer.dtype)))
-
-    def experimental_distribute_values_from_function(
-        self, value_fn: Callable[[ValueContext], Any]
-    ) -> Any:
-        """Calls ``value_fn(ValueContext)`` for each of this worker's replicas, with the
-        replica's id among all workers' replicas."""
-        extended = self.extended
-        backend = extended._backend
-        n = self.num_replicas_in_sync
-        values = []
-        for r, device in enumerate(extended.worker_devices):
-            with backend.device_scope(device):
-                values.append(value_fn(ValueContext(extended._replica_offset + r, n)))
-        return regroup(values, always_wrap=True)
 
 
 # -- liveness: heartbeats through the engine's key-value store --------------------------------

@@ -21,13 +21,11 @@ is a copy of this machine), otherwise ``cluster_resolver.num_accelerators()``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
-import numpy as np
-
-from polydist import _nest, _trace
-from polydist._arrays import check_summable, convert_to_array, dtype_name, mean_from_sum
-from polydist._backend import Backend, get_backend
+from polydist import _cross_device_ops, _nest
+from polydist._arrays import convert_to_array
+from polydist._backend import Backend, SupportsWorkerProcesses, get_backend, worker_processes
 from polydist._cluster import (
     InReplicaContext,
     connect_cluster,
@@ -258,13 +256,10 @@ class MultiWorkerExtended(MirroredExtended):
             return tuple(select_replica(r, value) for r in local)
         return (value,)
 
-    # -- reductions -------------------------------------------------------------------
-    def _reduce_to(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
-        if self._num_workers > 1 and not isinstance(value, DistributedValues):
-            return self._reduce_host_value(reduce_op, value, destinations)
+    # -- reductions: the group this worker reduces over -------------------------------------
+    def _check_reduce_components(self, value: DistributedValues) -> None:
         if (
             self._runs_other_workers()
-            and isinstance(value, DistributedValues)
             and not isinstance(value, Mirrored)
             and len(value.values) != len(self._devices)
         ):
@@ -276,39 +271,36 @@ class MultiWorkerExtended(MirroredExtended):
                 f"({len(self._devices)}), as strategy.run returns. experimental_local_results "
                 "gives only this worker's components; reduce the value strategy.run returned."
             )
-        return super()._reduce_to(reduce_op, value, destinations)
+        super()._check_reduce_components(value)
 
-    def _reduce_host_value(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
+    def _host_group(self) -> _cross_device_ops.ReplicaGroup | None:
         # TF reduces a host tensor with a collective among the workers' host CPUs: each
         # worker contributes its copy once, so SUM is W * value and MEAN is value.
+        if self._num_workers == 1:
+            return None
         if not self._runs_other_workers():
             raise NotImplementedError(
                 f"Reducing a host value across {self._num_workers} workers needs the backend "
                 f"{self._backend_name()!r} to run a cross-process collective, which it does "
                 "not provide yet. Reduce a distributed value (the output of strategy.run)."
             )
-        array = convert_to_array(value)
-        check_summable(reduce_op, [array])
-        backend = self._backend
-        hosts = [
+        hosts = tuple(
             f"/job:{job}/replica:0/task:{t}/device:CPU:0"
             for job, t in _collective_tasks(self._cluster_spec, self._task_type, self._task_id)
-        ]
-        placed = [backend.place(array, hosts[w]) for w in self._simulated_workers]
-        total = backend.reduce_to(placed, self._worker_device)
-        if _trace.is_tracing():
-            dtype = dtype_name(array.dtype)
-            _trace.record_collective(
-                "reduce_to",
-                reduce_op=reduce_op.value,
-                dtype=dtype,
-                nbytes=int(np.prod(array.shape, dtype=np.int64)) * np.dtype(dtype).itemsize,
-                shape=tuple(int(d) for d in array.shape),
-                participants=tuple(hosts),  # the workers' host CPUs, not every replica
-                backend=backend.name,
-            )
-        if reduce_op is ReduceOp.MEAN:
-            total = mean_from_sum(backend.array_namespace(), total, len(placed))
+        )
+        return _cross_device_ops.ReplicaGroup(
+            self._backend,
+            tuple(hosts[w] for w in self._simulated_workers),
+            self._num_workers,
+            hosts,  # the workers' host CPUs, not every replica
+        )
+
+    def _reduce_host_value(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
+        group = self._host_group()
+        assert group is not None
+        array = convert_to_array(value)
+        copies = [array] * len(group.devices)  # this process's workers' copies
+        total = _cross_device_ops.reduce_over_group(group, reduce_op, copies, self._worker_device)
         return self._to_destinations(total, destinations)
 
 
@@ -389,9 +381,20 @@ class MultiWorkerMirroredStrategy(Strategy):
             default ``TFConfigClusterResolver()``, which reads ``TF_CONFIG``.
             With no cluster (no ``TF_CONFIG``) there is one worker.
         communication_options: a `polydist.experimental.CommunicationOptions`.
-        backend: a backend name or object; else ``$POLYDIST_BACKEND``, else
-            ``sim``. A cluster of several workers needs a backend that declares
-            ``Capabilities.multi_worker``.
+        backend: a backend name or object (or a backend's
+            `polydist.backend.SupportsWorkerProcesses`, such as
+            ``polydist_jax.JaxWorkerProcesses(jit=False)``); else
+            ``$POLYDIST_BACKEND``, else ``sim``. It picks the engine:
+            ``"sim"`` simulates every worker of the cluster in this process;
+            ``"torch"`` (``torch.distributed``) and ``"jax"``
+            (``jax.distributed``) run one process per worker when the cluster
+            has several workers or ``local_devices`` is given (see
+            ``docs/multi-host.md``). Without ``cluster_resolver`` the cluster
+            comes from ``TF_CONFIG``, else from the launcher of such an engine
+            (``polydist launch``, ``torchrun``).
+        local_devices: replicas per worker on an engine with one process per
+            worker (a polydist extension): the first N accelerators, or N
+            virtual CPU replicas. Default (TF's rule): every GPU, else one CPU.
     """
 
     # The compat.v1 strategy subclass builds its StrategyExtended subclass here.
@@ -402,11 +405,34 @@ class MultiWorkerMirroredStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
         *,
-        backend: str | Backend | None = None,
+        backend: str | Backend | SupportsWorkerProcesses | None = None,
+        local_devices: int | None = None,
     ) -> None:
-        super().__init__(
-            self._extended_class(self, cluster_resolver, communication_options, backend)
-        )
+        _check_local_devices(local_devices)
+        self._requested_local_devices = local_devices
+        processes = worker_processes(backend)
+        if processes is not None:
+            cluster = processes.worker_cluster(cluster_resolver, communication_options)
+            cluster_resolver = cluster.resolver
+            an_engine = backend is not None and not isinstance(backend, str)
+            if an_engine or local_devices is not None or _several_workers(cluster_resolver):
+                from polydist._multi_process import MultiProcessExtended
+
+                engine = processes.worker_process_engine(cluster, local_devices)
+                super().__init__(
+                    MultiProcessExtended(self, cluster_resolver, communication_options, engine)
+                )
+                return
+        if local_devices is not None:
+            raise ValueError(
+                f"local_devices={local_devices} needs a backend with one process per worker "
+                f"(torch, jax), but backend {backend or 'from $POLYDIST_BACKEND or default'!r} "
+                "declares none. On the sim, each worker has this machine's GPUs "
+                "(SimBackend(num_gpus=...)) or cluster_resolver.num_accelerators()."
+            )
+        # No SupportsWorkerProcesses here: a backend name or object.
+        plain = cast("str | Backend | None", backend)
+        super().__init__(self._extended_class(self, cluster_resolver, communication_options, plain))
 
     @property
     def extended(self) -> MultiWorkerExtended:
@@ -419,6 +445,28 @@ class MultiWorkerMirroredStrategy(Strategy):
     def cluster_resolver(self) -> ClusterResolver:
         """The cluster resolver: ``cluster_spec()``, ``task_type``, ``task_id``, ...."""
         return self.extended._cluster_resolver
+
+
+def _check_local_devices(local_devices: Any) -> None:
+    if local_devices is not None and (
+        isinstance(local_devices, bool) or not isinstance(local_devices, int)
+    ):
+        raise TypeError(
+            f"local_devices must be a positive int or None, got "
+            f"{type(local_devices).__name__} {local_devices!r}."
+        )
+    if local_devices is not None and local_devices < 1:
+        raise ValueError(f"local_devices must be >= 1, got {local_devices}.")
+
+
+def _several_workers(resolver: ClusterResolver) -> bool:
+    """Whether ``resolver`` names a cluster of several workers with this task in it
+    (a task left out is the strategy's error to report)."""
+    spec = normalize_cluster_spec(resolver.cluster_spec())
+    task_type = resolver.task_type
+    if not spec or task_type is None or resolver.task_id is None:
+        return False
+    return worker_count(spec, task_type) > 1
 
 
 class _ExperimentalMeta(type):

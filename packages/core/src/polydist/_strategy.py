@@ -16,7 +16,6 @@ from polydist._arrays import (
     describe,
     divide_exactly,
     is_integral,
-    mean_from_sum,
 )
 from polydist._backend import Backend, get_backend
 from polydist._communication import call_options
@@ -181,16 +180,22 @@ class StrategyExtended(ExtendedVariablesMixin):
             return self._batch_reduce_to(reduce_op, list(value_destination_pairs))
 
     def _batch_reduce_to(self, reduce_op: ReduceOp, pairs: list[tuple[Any, Any]]) -> list[Any]:
-        """`batch_reduce_to` without cross-device ops: one `_reduce_to` per pair (a
-        strategy across processes packs them instead)."""
+        """`batch_reduce_to` without cross-device ops: the group's batch (packed across
+        processes), else one `_reduce_to` per pair."""
+        packed = _cross_device_ops.COLLECTIVE_ALL_REDUCE.batch_reduce_dense(self, reduce_op, pairs)
+        if packed is not None:
+            return packed
         return [self._reduce_to(reduce_op, v, d) for v, d in pairs]
 
     def _reduce_to(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
         # Every reduce (Strategy.reduce with or without axis, reduce_to, batch_reduce_to)
-        # comes through here on every backend.
+        # comes through here on every backend and strategy; the strategy's CrossDeviceOps
+        # reduces over the group this strategy supplies (`_replica_group`).
         value = _variables.read_for_reduce(value)  # a variable reduces as its copies' values
+        if not isinstance(value, DistributedValues) and self._host_group() is not None:
+            return self._reduce_host_value(reduce_op, value, destinations)
         if isinstance(value, DistributedValues):
-            check_num_components(value, len(self._devices), "strategy.reduce (or reduce_to)")
+            self._check_reduce_components(value)
         if isinstance(value, Mirrored):
             if reduce_op is ReduceOp.MEAN:
                 return self._to_destinations(value._primary, destinations)
@@ -204,30 +209,56 @@ class StrategyExtended(ExtendedVariablesMixin):
             return self._reduce_indexed_slices(reduce_op, value.values, destinations)
         components = [convert_to_array(v) for v in value.values]
         _check_same_shape(components, "reduce")
-        if len(components) == 1:
+        if len(components) == 1 and not self._replica_group(1).across_processes:
             return self._to_destinations(components[0], destinations)
         if self._cross_device_ops is not None:  # TF: the strategy's CrossDeviceOps reduces
             op = "all_reduce" if isinstance(destinations, DistributedValues) else "reduce_to"
             self._record(op, reduce_op, components[0])
-            return _cross_device_ops.strategy_reduce(
-                self, reduce_op, PerReplica(components), destinations
-            )
-        check_summable(reduce_op, components)
-        backend = self._backend
-        if isinstance(destinations, DistributedValues):
-            dests = tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
-            placed = self._place_components(components)
-            sums = backend.all_reduce(placed, dests)
-            if reduce_op is ReduceOp.MEAN:
-                xp = backend.array_namespace()
-                sums = [mean_from_sum(xp, s, len(components)) for s in sums]
-            self._record("all_reduce", reduce_op, components[0])
-            return Mirrored(sums)
-        total = backend.reduce_to(self._place_components(components), _destination(destinations))
-        self._record("reduce_to", reduce_op, components[0])
-        if reduce_op is ReduceOp.MEAN:
-            total = mean_from_sum(backend.array_namespace(), total, len(components))
-        return total
+        return _cross_device_ops.strategy_reduce(
+            self, reduce_op, PerReplica(components), destinations
+        )
+
+    @property
+    def _collective_ops(self) -> _cross_device_ops.CrossDeviceOps:
+        """The strategy's ``CrossDeviceOps``: ``cross_device_ops``, else the backend's own
+        collectives over `_replica_group` (TF: every strategy holds one)."""
+        if self._cross_device_ops is not None:
+            return self._cross_device_ops  # type: ignore[no-any-return]
+        return _cross_device_ops.COLLECTIVE_ALL_REDUCE
+
+    # -- the group (what differs between one process, a simulated cluster and workers) --
+    def _replica_group(self, count: int) -> _cross_device_ops.ReplicaGroup:
+        """Who a reduction of ``count`` components of this process spans (the strategy's
+        group provider): here this process's replicas, MEAN dividing by ``count``."""
+        devices = self._devices if count == len(self._devices) else (HOST_DEVICE,) * count
+        return _cross_device_ops.ReplicaGroup(self._backend, devices, count, self._devices)
+
+    def _check_reduce_components(self, value: DistributedValues) -> None:
+        """Raises unless ``value`` has one component per replica of this process."""
+        check_num_components(value, len(self._devices), "strategy.reduce (or reduce_to)")
+
+    def _host_group(self) -> _cross_device_ops.ReplicaGroup | None:
+        """The group that reduces a host value (not distributed) once per worker;
+        ``None``: one worker, where TF's non-distributed rule applies."""
+        return None
+
+    def _reduce_host_value(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
+        raise NotImplementedError  # only strategies with a `_host_group` reduce host values
+
+    @property
+    def _local_replica_count(self) -> int:
+        """How many of the replicas a non-distributed value stands for run here."""
+        return self._num_replicas_in_sync
+
+    @property
+    def _replica_offset(self) -> int:
+        """Global replica id of this process's first replica."""
+        return 0
+
+    def _count_over_group(self, local: int, numer: Any) -> int:
+        """The number of elements every replica of the group summed (MEAN with an axis):
+        ``local``, this process's, when the group is this process."""
+        return local
 
     def _place_components(self, components: Sequence[Any]) -> list[Any]:
         return [self._backend.place(c, d) for c, d in zip(components, self._devices_of(components))]
@@ -249,15 +280,16 @@ class StrategyExtended(ExtendedVariablesMixin):
                 f"Cannot reduce a mix of IndexedSlices and other values across replicas (the "
                 f"replicas gave {kinds}). Every replica must pass an IndexedSlices."
             )
-        if len(components) == 1:
+        group = self._replica_group(len(components))
+        if len(components) == 1 and not group.across_processes:
             return self._to_destinations(components[0], destinations)
         dests = (
-            tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
+            _cross_device_ops.destination_devices(destinations)
             if isinstance(destinations, DistributedValues)
             else (_destination(destinations),)
         )
         reduced = _indexed_slices.reduce(
-            self._backend, reduce_op, components, self._devices_of(components), dests
+            self._backend, reduce_op, components, group.devices, dests, group.size
         )
         self._record("all_gather", None, components[0].values)
         self._record("all_gather", None, components[0].indices)
@@ -280,7 +312,7 @@ class StrategyExtended(ExtendedVariablesMixin):
 
     def _to_destinations(self, value: Any, destinations: Any) -> Any:
         if isinstance(destinations, DistributedValues):
-            dests = tuple(str(getattr(c, "device", HOST_DEVICE)) for c in destinations.values)
+            dests = _cross_device_ops.destination_devices(destinations)
             if isinstance(value, IndexedSlices):
                 self._record("broadcast", None, value.values)
                 return Mirrored(_indexed_slices.broadcast(self._backend, value, dests))
@@ -291,18 +323,7 @@ class StrategyExtended(ExtendedVariablesMixin):
         return value
 
     def _record(self, op: str, reduce_op: ReduceOp | None, example: Any) -> None:
-        if _trace.is_tracing():
-            shape = tuple(int(d) for d in example.shape)
-            itemsize = np.dtype(describe(example).split("[")[0]).itemsize
-            _trace.record_collective(
-                op,
-                reduce_op=reduce_op.value if reduce_op else None,
-                dtype=describe(example).split("[")[0],
-                nbytes=int(np.prod(shape, dtype=np.int64)) * itemsize,
-                shape=shape,
-                participants=self._devices,
-                backend=self._backend.name,
-            )
+        _cross_device_ops.record(op, reduce_op, example, self._devices, self._backend)
 
     def _local_results(self, value: Any) -> tuple[Any, ...]:
         if isinstance(value, DistributedValues):
@@ -319,7 +340,7 @@ class StrategyExtended(ExtendedVariablesMixin):
         for c in components:
             _check_gather_axis(c, axis)
         _check_gather_shapes(components, axis, same_shape=self._gather_needs_same_shape)
-        if len(components) == 1:
+        if len(components) == 1 and not self._replica_group(1).across_processes:
             return components[0]
         result = self._backend.all_gather(self._place_components(components), axis, [destination])[
             0
@@ -437,25 +458,30 @@ class Strategy:
         return self._reduce_with_axis(reduce_op, value, axis)
 
     def _reduce_with_axis(self, reduce_op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
+        extended = self._extended
         if isinstance(value, DistributedValues):
             components = [convert_to_array(v) for v in value.values]
         else:
             # TF runs the local reduction on every replica: a plain value counts once each.
-            components = [convert_to_array(value)] * self.num_replicas_in_sync
+            components = [convert_to_array(value)] * extended._local_replica_count
         check_summable(reduce_op, components)  # the local reduce_sum is a SUM too
+        group = extended._replica_group(len(components))
         # TF sums each component on its replica's device: place host values (NumPy, or
         # run results of a function that returned NumPy) there first, so that the
         # backend's xp.sum gets its own arrays.
-        components = self._extended._place_components(components)
-        xp = self._extended._backend.array_namespace()
+        components = extended._place_components(components)
+        xp = extended._backend.array_namespace()
         axes = _normalize_axis(axis, components[0])
         # dtype=: NumPy and torch widen int32 sums to int64; TF's reduce_sum keeps int32.
         sums = PerReplica([xp.sum(c, axis=axes, dtype=c.dtype) for c in components])
-        if reduce_op is ReduceOp.SUM:
-            return self._extended._reduce_to(ReduceOp.SUM, sums, _current_device())
-        counts = [int(np.prod([c.shape[a] for a in axes], dtype=np.int64)) for c in components]
-        numer = self._extended._reduce_to(ReduceOp.SUM, sums, _current_device())
-        denom = sum(counts)
+        with _cross_device_ops.intent(group, reduce_op):  # a MEAN stays MEAN to the workers
+            numer = extended._reduce_to(ReduceOp.SUM, sums, _current_device())
+            if reduce_op is ReduceOp.SUM:
+                return numer
+            local = sum(
+                int(np.prod([c.shape[a] for a in axes], dtype=np.int64)) for c in components
+            )
+            denom = extended._count_over_group(local, numer)
         numer = xp.asarray(numer)
         with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
             if is_integral(xp, numer.dtype):
@@ -489,10 +515,11 @@ class Strategy:
         devices = self._extended._devices
         n = self.num_replicas_in_sync
         backend = self._extended._backend
+        offset = self._extended._replica_offset  # ids among every worker's replicas
         values = []
         for r, device in enumerate(devices):
             with backend.device_scope(device):
-                values.append(value_fn(ValueContext(r, n)))
+                values.append(value_fn(ValueContext(offset + r, n)))
         return regroup(values, always_wrap=True)
 
     # -- input (implemented in polydist._input_lib) ---------------------------------
@@ -587,18 +614,7 @@ def _current_device() -> str:
     return HOST_DEVICE
 
 
-def _destination(destinations: Any) -> str:
-    if isinstance(destinations, str):
-        return canonicalize(destinations)
-    if isinstance(destinations, Sequence) and destinations and isinstance(destinations[0], str):
-        return canonicalize(destinations[0])
-    device = getattr(destinations, "device", None)
-    if isinstance(device, str):
-        return canonicalize(device)
-    raise ValueError(
-        f"destinations must be a device string, a distributed value or a variable, got "
-        f"{type(destinations).__name__} {destinations!r}."
-    )
+_destination = _cross_device_ops.destination
 
 
 def _is_arraylike(x: Any) -> bool:

@@ -18,9 +18,12 @@ from polydist._arrays import convert_to_array as convert_to_array
 from polydist._arrays import mean_from_sum as mean_from_sum
 from polydist._backend import ARRAY_TYPES_GROUP as ARRAY_TYPES_GROUP
 from polydist._backend import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from polydist._backend import WORKER_PROCESSES_GROUP as WORKER_PROCESSES_GROUP
 from polydist._backend import Backend as Backend
 from polydist._backend import Capabilities as Capabilities
+from polydist._backend import ClusterToJoin as ClusterToJoin
 from polydist._backend import ReplicaChannel as ReplicaChannel
+from polydist._backend import SupportsWorkerProcesses as SupportsWorkerProcesses
 from polydist._backend import available_backends as available_backends
 from polydist._backend import backends_owning as backends_owning
 from polydist._backend import batch_all_reduce as batch_all_reduce
@@ -30,6 +33,7 @@ from polydist._backend import is_symbolic as is_symbolic
 from polydist._backend import local_tpu_system as local_tpu_system
 from polydist._backend import pack_by_dtype as pack_by_dtype
 from polydist._backend import pack_by_size as pack_by_size
+from polydist._backend import worker_processes as worker_processes
 from polydist._eager import EagerReplicaRunner as EagerReplicaRunner
 from polydist._eager import busy_workers as busy_workers
 from polydist._eager import default_timeout as default_timeout
@@ -39,10 +43,13 @@ from polydist._nest import register_tree_system as register_tree_system
 __all__ = [
     "ARRAY_TYPES_GROUP",
     "ENTRY_POINT_GROUP",
+    "WORKER_PROCESSES_GROUP",
     "Backend",
     "Capabilities",
+    "ClusterToJoin",
     "EagerReplicaRunner",
     "ReplicaChannel",
+    "SupportsWorkerProcesses",
     "available_backends",
     "backends_owning",
     "batch_all_reduce",
@@ -58,4 +65,5 @@ __all__ = [
     "pack_by_size",
     "register_tree_system",
     "timeout_seconds_from_env",
+    "worker_processes",
 ]
