@@ -120,6 +120,14 @@ NAME_TABLE: dict[str, list[tuple[str, str, str]]] = {
         ("tf.train.Checkpoint", "polydist.train.Checkpoint", "torch modules and optimizers too"),
         ("tf.train.CheckpointManager", "polydist.train.CheckpointManager", ""),
         ("tf.train.latest_checkpoint", "polydist.train.latest_checkpoint", ""),
+        ("tf.keras.metrics.Mean", "polydist.metrics.Mean", "sync-on-read variables"),
+        ("tf.keras.metrics.Sum", "polydist.metrics.Sum", ""),
+        (
+            "tf.keras.metrics.SparseCategoricalAccuracy",
+            "polydist.metrics.SparseCategoricalAccuracy",
+            "",
+        ),
+        ("tf.keras.metrics.CategoricalAccuracy", "polydist.metrics.CategoricalAccuracy", ""),
     ],
     "cross_device": [
         ("tf.distribute.CrossDeviceOps", "polydist.CrossDeviceOps", ""),
