@@ -102,8 +102,10 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session(python=PY)
 def demo(session: nox.Session) -> None:
-    """The README's first command: install core + sim and run the demo."""
-    session.install(CORE, SIM)
+    """The README's first command: install core alone (the sim ships with it) and run the demo."""
+    # A reused virtualenv may hold packages of an older recipe: core alone is the point.
+    session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", "polydist-sim")
+    session.install(CORE)
     session.run("polydist", "demo", "--replicas", "8")
 
 

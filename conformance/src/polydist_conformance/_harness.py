@@ -14,6 +14,7 @@ import polydist as pd
 from polydist.backend import Backend
 from polydist_conformance._compare import EXPECTED, Policy, compare, observe, plain
 from polydist_conformance._loading import load_backend
+from polydist_conformance._pytrees import Build, framework_pytrees
 from polydist_sim import REDUCTION_ORDERS, SimBackend
 
 __all__ = ["Conformance", "ConformanceSession", "Program", "StrategyFactory", "StrategyKind"]
@@ -37,6 +38,7 @@ class ConformanceSession:
     oracle: SimBackend
     replicas: int
     policy: Policy
+    pytrees: dict[str, Build] | None = None
 
     @classmethod
     def create(cls, spec: str, replicas: int | None) -> ConformanceSession:
@@ -101,6 +103,14 @@ class Conformance:
     def replicas(self) -> int:
         """The replica count of ``MirroredStrategy`` in this run."""
         return self.session.replicas
+
+    @property
+    def framework_pytrees(self) -> dict[str, Build]:
+        """The framework pytrees the backend supplies through the optional entry point
+        ``polydist_conformance.pytrees`` (see :mod:`polydist_conformance._pytrees`)."""
+        if self.session.pytrees is None:
+            self.session.pytrees = framework_pytrees(self.backend.name)
+        return self.session.pytrees
 
     def check(
         self,

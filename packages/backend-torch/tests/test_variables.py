@@ -627,7 +627,9 @@ def test_parameters_refusals() -> None:
         s.run(lambda: polydist_torch.parameters(v))
     with pytest.raises(ValueError, match="different numbers of copies"):
         polydist_torch.parameters([v, single])
-    with pytest.raises(TypeError, match="list/tuple/dict of variables"):
+    with pytest.raises(
+        TypeError, match=r"nest \(list/tuple/dict/state dict/torch pytree\) of variables"
+    ):
         polydist_torch.parameters([v, np.zeros(2)])
     sim = strategy_for("sim")
     with sim.scope():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -43,6 +46,56 @@ def test_unknown_backend_lists_installed_and_pip_package(name: str, package: str
     assert f"No polydist backend named {name!r}" in message
     assert "Installed backends: " in message and "sim" in message
     assert f"pip install {package}" in message
+    assert f"from a polydist checkout: pip install ./packages/backend-{name}" in message
+
+
+def test_core_registers_the_sim_itself() -> None:
+    (ep,) = [
+        e for e in importlib.metadata.entry_points(group="polydist.backends") if e.name == "sim"
+    ]
+    assert ep.value == "polydist._sim:SimBackend"
+    assert ep.dist is not None and ep.dist.name == "polydist"
+
+
+# polydist_sim (and any package above core) cannot be imported: what `pip install polydist`
+# alone gives.
+_CORE_ALONE = """
+import sys
+
+# As if not installed: imports fail and importlib.util.find_spec gives None.
+sys.modules["polydist_sim"] = None
+sys.modules["polydist_conformance"] = None
+"""
+
+
+def test_core_alone_runs_mirrored_strategy_on_the_sim() -> None:
+    code = _CORE_ALONE + (
+        "import numpy as np, polydist as pd\n"
+        "strategy = pd.MirroredStrategy()\n"
+        "assert strategy.extended.backend.name == 'sim'\n"
+        "eight = pd.MirroredStrategy(8)\n"
+        "out = eight.run(lambda: pd.get_replica_context().all_reduce('SUM', np.float32(1.5)))\n"
+        "assert float(eight.reduce('MEAN', out, axis=None)) == 12.0\n"
+        "assert sys.modules['polydist_sim'] is None\n"
+        "print(type(eight.extended.backend).__module__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "polydist._sim._backend"
+
+
+def test_core_alone_runs_the_demo_with_an_unpriced_trace(tmp_path: Any) -> None:
+    trace = tmp_path / "trace.json"
+    argv = ["demo", "--replicas", "2", "--steps", "2", "--trace", str(trace)]
+    code = _CORE_ALONE + f"from polydist._cli import main\nraise SystemExit(main({argv!r}))\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "polydist trace: 6 collectives in 2 steps" in done.stdout
+    # No cost model: the trace is not priced, and the output says where the model is.
+    assert "Predicted communication time" not in done.stdout
+    assert "no predicted times: the sim's cost model is in polydist-sim" in done.stdout
+    assert trace.is_file()
 
 
 def test_backend_object_is_accepted_and_checked() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import json
+import os
 import sys
 import textwrap
 import types
@@ -83,7 +84,8 @@ def test_doctor_lists_sim_and_its_devices(capsys: pytest.CaptureFixture[str]) ->
     assert out.startswith("polydist 0.")
     assert f"python    {sys.version_info.major}.{sys.version_info.minor}" in out
     assert f"numpy     {importlib.metadata.version('numpy')}" in out
-    assert f"polydist-sim {importlib.metadata.version('polydist-sim')}  ok" in out
+    # The sim ships with core: its entry point is core's own.
+    assert f"sim    polydist {importlib.metadata.version('polydist')} (built in)  ok" in out
     assert f"devices (1): {SIM_CPU}" in out
     assert "simulates up to 1024 GPUs" in out
     for name, package in _backend.KNOWN_PACKAGES.items():
@@ -102,7 +104,7 @@ def test_doctor_reports_a_backend_that_fails_to_load(
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "FAILED to load: ModuleNotFoundError: No module named 'polydist_no_such_module'" in out
-    assert "polydist-sim" in out  # the healthy backend is still reported
+    assert "sim    polydist " in out  # the healthy backend is still reported
 
 
 def test_doctor_lists_a_backend_without_its_optional_dependency_as_not_usable(
@@ -448,3 +450,54 @@ def test_bench_without_a_checkout_asks_for_dir(
     assert find_benchmarks_dir() is None
     assert main(["bench", "--no-run"]) == 2
     assert "--dir PATH" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- demo on JAX
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (None, "--xla_force_host_platform_device_count=4"),
+        (
+            "--xla_cpu_enable_fast_math=false",
+            "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=4",
+        ),
+        # The user's own count wins.
+        ("--xla_force_host_platform_device_count=2", "--xla_force_host_platform_device_count=2"),
+    ],
+)
+def test_demo_gives_jax_as_many_cpu_devices_as_replicas(
+    monkeypatch: pytest.MonkeyPatch, before: str | None, after: str
+) -> None:
+    from polydist._cli import _host_devices_for_jax
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("POLYDIST_BACKEND", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", before or "")  # restored after the test
+    if before is None:
+        monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    _host_devices_for_jax("jax", 4)
+    assert os.environ["XLA_FLAGS"] == after
+
+
+def test_demo_leaves_xla_flags_alone_where_they_do_not_apply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from polydist._cli import _host_devices_for_jax
+
+    monkeypatch.setenv("XLA_FLAGS", "")  # restored after the test
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.delenv("POLYDIST_BACKEND", raising=False)
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    _host_devices_for_jax("sim", 4)  # another backend
+    _host_devices_for_jax(None, 4)  # the default (sim)
+    _host_devices_for_jax("jax", 1)  # one replica needs no flag
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # no CPU platform
+    _host_devices_for_jax("jax", 4)
+    assert "XLA_FLAGS" not in os.environ
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    monkeypatch.setenv("POLYDIST_BACKEND", "jax")  # the backend from the environment
+    _host_devices_for_jax(None, 3)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"

@@ -20,8 +20,10 @@ from polydist_jax._multi_worker import JaxProcessBackend as JaxProcessBackend
 from polydist_jax._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from polydist_jax._multi_worker import initialize as initialize_multi_worker
 from polydist_jax._pytree import register as _register_pytrees
+from polydist_jax._pytree import register_tree_system as _register_tree_system
 
 _register_pytrees()
+_register_tree_system()
 
 __version__ = "0.1.0"
 

@@ -25,12 +25,15 @@ from polydist_torch._multi_worker import MultiWorkerMirroredStrategy as MultiWor
 from polydist_torch._multi_worker import TorchProcessGroupBackend as TorchProcessGroupBackend
 from polydist_torch._multi_worker import shutdown as shutdown_multi_worker
 from polydist_torch._parameters import parameters as parameters
+from polydist_torch._pytree import register_tree_system as _register_tree_system
 
 if TYPE_CHECKING:
     from polydist_torch._xla import UNSUPPORTED as XLA_UNSUPPORTED
     from polydist_torch._xla import XlaSpmdBackend as XlaSpmdBackend
 
 __version__ = "0.1.0"
+
+_register_tree_system()
 
 
 def __getattr__(name: str) -> Any:

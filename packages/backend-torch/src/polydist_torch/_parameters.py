@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import optree
 import torch
 
 import polydist as pd
+from polydist import _nest
 from polydist._variables import swap_storage, tracked_variables
 from polydist_torch._backend import TorchBackend
 
@@ -41,8 +41,9 @@ def parameters(variables: Any) -> list[list[torch.nn.Parameter]]:
     Args:
         variables: a ``Strategy`` (every trainable floating-point variable it
             created and that is still alive, in creation order), a
-            ``polydist.Variable``, or a list/tuple/dict nest of variables (in
-            the nest's order). Variables must be of the torch backend
+            ``polydist.Variable``, or a nest of variables (lists, tuples, dicts,
+            ``OrderedDict`` state dicts, classes registered with
+            ``torch.utils._pytree``), in the nest's order. Variables must be of the torch backend
             (``TorchBackend``) and have the same number of copies.
 
     Returns:
@@ -111,14 +112,13 @@ def _variables(obj: Any) -> list[Any]:
         ]
     if isinstance(obj, pd.Variable):
         return [obj]
-    leaves = optree.tree_leaves(
-        obj, is_leaf=lambda x: isinstance(x, pd.Variable | pd.DistributedValues), none_is_leaf=True
-    )
+    leaves, _ = _nest.flatten(obj, is_leaf=lambda x: isinstance(x, pd.Variable))
     for leaf in leaves:
         if not isinstance(leaf, pd.Variable):
             raise TypeError(
-                "polydist_torch.parameters takes a Strategy, a polydist.Variable, or a "
-                f"list/tuple/dict of variables; found a {type(leaf).__name__} in {obj!r}."
+                "polydist_torch.parameters takes a Strategy, a polydist.Variable, or a nest "
+                "(list/tuple/dict/state dict/torch pytree) of variables; found a "
+                f"{type(leaf).__name__} in {obj!r}."
             )
     return list(leaves)
 

@@ -19,6 +19,7 @@ from polydist import contrib as contrib
 from polydist import debugging as debugging
 from polydist import errors as errors
 from polydist import experimental as experimental
+from polydist import metrics as metrics
 from polydist import nn as nn
 from polydist import train as train
 from polydist._backend import available_backends as available_backends
@@ -107,6 +108,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "metrics",
     "nn",
     "trace",
     "train",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sys
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
@@ -42,17 +43,38 @@ __all__ = [
     "Capabilities",
     "ReplicaChannel",
     "available_backends",
+    "backends_owning",
     "get_backend",
+    "get_backend_for_value",
     "is_symbolic",
     "local_tpu_system",
 ]
 
 ENTRY_POINT_GROUP = "polydist.backends"
+#: Entry points ``NAME = "module:Type"``: backend ``NAME`` owns the arrays of ``Type``
+#: (e.g. ``torch = "torch:Tensor"``). Read without importing ``module``: see `backends_owning`.
+ARRAY_TYPES_GROUP = "polydist.array_types"
 ENV_VAR = "POLYDIST_BACKEND"
 DEFAULT_BACKEND = "sim"
 
-# Where to get the backends we know of, for the "not installed" message.
-KNOWN_PACKAGES = {"sim": "polydist-sim", "jax": "polydist-jax", "torch": "polydist-torch"}
+# Where to get the backends we know of, for the "not installed" message. The sim is
+# part of core (polydist._sim); the others are extras: polydist[jax], polydist[torch].
+KNOWN_PACKAGES = {"sim": "polydist", "jax": "polydist-jax", "torch": "polydist-torch"}
+# The same from a polydist checkout, where the backend packages are installed by path.
+CHECKOUT_PATHS = {
+    "sim": "./packages/core",
+    "jax": "./packages/backend-jax",
+    "torch": "./packages/backend-torch",
+}
+
+
+def install_hint(name: str) -> str:
+    """How to install backend ``name``: ``"pip install polydist-jax (from a polydist
+    checkout: pip install ./packages/backend-jax)"``."""
+    package = KNOWN_PACKAGES.get(name)
+    if package is None:
+        return f"install the package that provides the {name!r} backend"
+    return f"pip install {package} (from a polydist checkout: pip install {CHECKOUT_PATHS[name]})"
 
 
 @dataclass(frozen=True)
@@ -228,6 +250,8 @@ class Backend(Protocol):
 _lock = threading.Lock()
 _instances: dict[str, Backend] = {}
 _entry_points: dict[str, importlib.metadata.EntryPoint] | None = None
+_array_type_entry_points: tuple[importlib.metadata.EntryPoint, ...] | None = None
+_array_types: dict[str, type | None] = {}
 
 
 def _discover() -> dict[str, importlib.metadata.EntryPoint]:
@@ -236,6 +260,59 @@ def _discover() -> dict[str, importlib.metadata.EntryPoint]:
         found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
         _entry_points = {ep.name: ep for ep in found}
     return _entry_points
+
+
+def _array_type_declarations() -> tuple[importlib.metadata.EntryPoint, ...]:
+    global _array_type_entry_points
+    if _array_type_entry_points is None:
+        found = importlib.metadata.entry_points(group=ARRAY_TYPES_GROUP)
+        _array_type_entry_points = tuple(sorted(found, key=lambda ep: (ep.name, ep.value)))
+    return _array_type_entry_points
+
+
+def backends_owning(value: Any) -> tuple[str, ...]:
+    """The installed backends whose declared array type ``value`` is an instance of, sorted.
+
+    A backend declares its array type with an entry point in the group
+    ``polydist.array_types`` (``torch = "torch:Tensor"``, ``jax = "jax:Array"``).
+    A type's module is never imported here: a value can only be an instance of
+    a type whose module is already imported (in ``sys.modules``), so checking
+    a NumPy array never imports torch or JAX. NumPy arrays and Python numbers
+    belong to no backend: every backend takes them.
+    """
+    owners = []
+    for ep in _array_type_declarations():
+        module = ep.value.split(":", 1)[0].strip()
+        if module.split(".", 1)[0] not in sys.modules:
+            continue
+        if ep.value not in _array_types:
+            try:
+                loaded = ep.load()
+            except (ImportError, AttributeError):
+                loaded = None
+            _array_types[ep.value] = loaded if isinstance(loaded, type) else None
+        cls = _array_types[ep.value]
+        if cls is not None and isinstance(value, cls) and ep.name not in owners:
+            owners.append(ep.name)
+    return tuple(owners)
+
+
+def get_backend_for_value(value: Any, backend: str | Backend | None = None) -> Backend:
+    """The backend for a value created outside any strategy (a plain ``Variable``).
+
+    An explicit ``backend`` wins. Otherwise the backend that `get_backend` resolves
+    (``$POLYDIST_BACKEND``, then ``sim``) if ``value`` belongs to no backend or to
+    that one; else the backend that owns ``value``'s type (the first by name where
+    several do, e.g. ``torch`` before ``torch_xla``): a ``torch.Tensor`` makes a
+    torch variable and a ``jax.Array`` a JAX one, with no ``$POLYDIST_BACKEND``.
+    """
+    if backend is not None:
+        return get_backend(backend)
+    owners = backends_owning(value)
+    name = os.environ.get(ENV_VAR) or DEFAULT_BACKEND
+    if not owners or name in owners:
+        return get_backend(None)
+    return get_backend(owners[0])
 
 
 def available_backends() -> tuple[str, ...]:
@@ -264,7 +341,6 @@ def get_backend(backend: str | Backend | None = None) -> Backend:
         ep = entry_points.get(name)
         if ep is None:
             installed = ", ".join(sorted(entry_points)) or "none"
-            package = KNOWN_PACKAGES.get(name, f"the package that provides the {name!r} backend")
             source = (
                 "argument backend="
                 if backend
@@ -274,7 +350,7 @@ def get_backend(backend: str | Backend | None = None) -> Backend:
             )
             raise BackendNotFoundError(
                 f"No polydist backend named {name!r} (from {source}). Installed backends: "
-                f"{installed}. To use it, install it: pip install {package}."
+                f"{installed}. To use it, {install_hint(name)}."
             )
         factory = ep.load()
         instance = factory()
@@ -385,7 +461,9 @@ def pack_by_dtype(
 
 
 def _reset_registry_for_tests() -> None:
-    global _entry_points
+    global _entry_points, _array_type_entry_points
     with _lock:
         _instances.clear()
         _entry_points = None
+        _array_type_entry_points = None
+        _array_types.clear()

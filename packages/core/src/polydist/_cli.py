@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -114,7 +115,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     import numpy as np
 
     from polydist import __version__
-    from polydist._backend import DEFAULT_BACKEND, ENV_VAR, KNOWN_PACKAGES, _discover, get_backend
+    from polydist._backend import (
+        DEFAULT_BACKEND,
+        ENV_VAR,
+        KNOWN_PACKAGES,
+        _discover,
+        get_backend,
+        install_hint,
+    )
 
     env_backend = os.environ.get(ENV_VAR)
     default = env_backend or DEFAULT_BACKEND
@@ -134,7 +142,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ep = entry_points[name]
         dist = ep.dist
         label = f"{dist.name} {dist.version}" if dist is not None else ep.value
-        deps = _requirement_versions(dist)
+        builtin = dist is not None and dist.name == "polydist"  # the sim ships with core
+        deps = [] if builtin else _requirement_versions(dist)
+        if builtin:
+            label += " (built in)"
         if deps:
             label += f" ({', '.join(deps)})"
         loaded = False
@@ -179,12 +190,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if missing:
         print("\nNot installed:")
         for name in missing:
-            print(f"  {name:<6} pip install {KNOWN_PACKAGES[name]}")
+            print(f"  {name:<6} {install_hint(name)}")
     if default not in entry_points:
-        print(
-            f"\nThe default backend {default!r} is not installed: "
-            f"pip install {KNOWN_PACKAGES.get(default, default)}"
-        )
+        print(f"\nThe default backend {default!r} is not installed: {install_hint(default)}")
 
     print("\nTools:")
     conformance = _dist_version("polydist-conformance")
@@ -193,6 +201,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         if conformance
         else "  polydist-conformance not installed: pip install polydist-conformance "
         "(from a checkout: pip install ./conformance)"
+    )
+    sim_version = _dist_version("polydist-sim")
+    print(
+        f"  polydist-sim {sim_version} (the sim's cost model: polydist demo --trace)"
+        if sim_version
+        else "  polydist-sim not installed (the sim's cost model, for polydist demo --trace): "
+        "pip install polydist-sim (from a checkout: pip install ./packages/sim)"
     )
     tqdm_version = _dist_version("tqdm")
     print(f"  tqdm {tqdm_version or 'not installed'} (progress bars)")
@@ -249,6 +264,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.topology is not None and args.trace is None:
         args.parser.error("--topology needs --trace FILE")
+    _host_devices_for_jax(args.backend, args.replicas)
     try:
         backend = get_backend(args.backend)
     except ValueError as e:  # unknown backend name: BackendNotFoundError
@@ -263,7 +279,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     is_sim = backend.name == "sim"
     if args.topology is not None and not is_sim:
         raise _UsageError("--topology prices simulated traces: use it with --backend sim")
-    topology = (args.topology or DEFAULT_TOPOLOGY) if is_sim and args.trace else None
+    # The cost model is polydist-sim's: without it (core alone) a sim trace is recorded
+    # unpriced, unless --topology asks for prices (then trace() says what to install).
+    priced = is_sim and (args.topology is not None or _has_cost_model())
+    topology = (args.topology or DEFAULT_TOPOLOGY) if priced and args.trace else None
     recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if args.trace is not None:
         try:
@@ -276,8 +295,44 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. more replicas than the backend has devices
         raise _UsageError(str(e)) from e
     if t is not None:
-        _report_trace(t, args.trace, is_sim)
+        _report_trace(t, args.trace, priced)
+        if is_sim and not priced:
+            print(
+                "\n(no predicted times: the sim's cost model is in polydist-sim; pip install "
+                "polydist-sim, or from a checkout pip install ./packages/sim)"
+            )
     return 0 if ok else 1
+
+
+XLA_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _host_devices_for_jax(backend: str | None, replicas: int) -> None:
+    """Gives JAX's CPU platform ``replicas`` devices, as ``XLA_FLAGS`` would.
+
+    JAX reads ``XLA_FLAGS`` once, when it starts, and by default its CPU
+    platform has one device; this command is its own process, so it can set
+    the flag before JAX starts. It appends ``--xla_force_host_platform_device_count=N``
+    unless the flag is already there (the user's setting wins), JAX is already
+    imported, or ``$JAX_PLATFORMS`` leaves out the CPU. The flag only sizes the
+    CPU platform: on GPUs and TPUs it changes nothing.
+    """
+    from polydist._backend import DEFAULT_BACKEND, ENV_VAR
+
+    name = backend or os.environ.get(ENV_VAR) or DEFAULT_BACKEND
+    if name != "jax" or replicas < 2 or "jax" in sys.modules:
+        return
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and "cpu" not in platforms.lower().split(","):
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if XLA_DEVICE_COUNT_FLAG in flags:
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} {XLA_DEVICE_COUNT_FLAG}={replicas}".strip()
+
+
+def _has_cost_model() -> bool:
+    return importlib.util.find_spec("polydist_sim") is not None
 
 
 def _report_trace(t: Any, path: str, is_sim: bool) -> None:
@@ -321,15 +376,14 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         conformance = importlib.import_module("polydist_conformance")
     except ImportError:
         raise _UsageError(_CONFORMANCE_HINT) from None
-    from polydist._backend import KNOWN_PACKAGES, available_backends
+    from polydist._backend import available_backends, install_hint
 
     name: str = args.backend
     installed = available_backends()
     if name not in installed and not name.startswith("mutant:"):
-        package = KNOWN_PACKAGES.get(name, f"the package that provides {name!r}")
         raise _UsageError(
             f"no backend named {name!r}; installed: {', '.join(installed) or 'none'}. "
-            f"Install it: pip install {package}"
+            f"To use it, {install_hint(name)}"
         )
     extra: list[str] = list(args.passthrough_args)
     own_junit = not any(a.startswith(("--junitxml", "--junit-xml")) for a in extra)

@@ -4,7 +4,7 @@
 the choice onto the backend's collectives:
 
 * On the simulator each algorithm is a summation order (see
-  ``polydist_sim._reduction``), so the bits of a float sum show which one ran:
+  ``polydist._sim._reduction``), so the bits of a float sum show which one ran:
 
   =============================  ====================  ===========================
   class                          all-reduce (result    reduce to one device

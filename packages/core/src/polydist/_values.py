@@ -167,10 +167,10 @@ def regroup(
 ) -> Any:
     """Combines per-replica structures into one structure of distributed values.
 
-    TF's ``distribute_utils.regroup``: lists, tuples, namedtuples and dicts
-    keep their types and are regrouped element-wise; a leaf that is the very
-    same object on every replica comes back unwrapped (unless
-    ``always_wrap``); components of one distributed variable come back as
+    TF's ``distribute_utils.regroup``: lists, tuples, namedtuples, dicts and a
+    registered framework's pytrees keep their types and are regrouped element-wise;
+    a leaf that is the very same object on every replica comes back unwrapped
+    (unless ``always_wrap``); components of one distributed variable come back as
     that variable.
     """
     v0 = values[0]
@@ -184,6 +184,22 @@ def regroup(
         if hasattr(v0, "_fields"):  # namedtuple
             return type(v0)(*items)
         return tuple(items)
+    node = _nest.framework_node(v0)
+    if node is not None:  # a framework's pytree (a JAX nnx.State, a torch-registered class)
+        children, aux, rebuild = node
+        columns: list[list[Any]] = [children]
+        for r, v in enumerate(values[1:], start=1):
+            other = _nest.framework_node(v) if type(v) is type(v0) else None
+            if other is None or other[1] != aux or len(other[0]) != len(children):
+                raise ValueError(_structure_message(values, r))
+            columns.append(other[0])
+        return rebuild(
+            [
+                regroup(tuple(col[i] for col in columns), wrap_class, always_wrap)
+                for i in range(len(children))
+            ]
+        )
+
     if isinstance(v0, Mapping):
         keys = set(v0.keys())
         for r, v in enumerate(values[1:], start=1):
@@ -191,7 +207,6 @@ def regroup(
                 raise ValueError(_structure_message(values, r))
         regrouped = {k: regroup(tuple(v[k] for v in values), wrap_class, always_wrap) for k in v0}
         return _rebuild_mapping(v0, regrouped)
-
     same_id = all(v is v0 for v in values[1:])
     if same_id and getattr(v0, "_is_distributed_variable", False):
         return v0

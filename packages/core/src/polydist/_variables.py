@@ -71,7 +71,7 @@ from polydist._arrays import (
     is_floating,
     mean_from_sum,
 )
-from polydist._backend import Backend, get_backend
+from polydist._backend import Backend, backends_owning, get_backend_for_value
 from polydist._devices import HOST_DEVICE
 from polydist._indexed_slices import IndexedSlices
 from polydist._reduce_op import ReduceOp
@@ -435,11 +435,22 @@ def _initial_array(initial_value: Any, dtype: Any, backend: Backend, name: str |
         initial_value = initial_value()
     value = _read_operand(initial_value)
     xp = backend.array_namespace()
+    if not is_array(value) and not isinstance(value, list | tuple) and _nest.is_nested(value):
+        # A dict or a framework pytree (an nnx.State, an optax state): no one array.
+        count = len(_nest.flatten(value)[0])
+        raise TypeError(
+            f"Variable {name!r}: initial_value is a {type(value).__name__}, a nest of "
+            f"{count} {'leaf' if count == 1 else 'leaves'}, but a variable holds one array. "
+            "Make one variable per leaf with your framework's tree map, e.g. "
+            "jax.tree.map(polydist.Variable, tree) or "
+            "torch.utils._pytree.tree_map(polydist.Variable, tree)."
+        )
     source = value if is_array(value) else convert_to_array(value)
     src_kind = _kind(source.dtype, xp)
     if src_kind not in "biufc":
         raise TypeError(
-            f"Variable {name!r}: initial_value has dtype {dtype_name(source.dtype)}, which a "
+            _foreign_value(f"Variable {name!r}: initial_value", source, backend)
+            or f"Variable {name!r}: initial_value has dtype {dtype_name(source.dtype)}, which a "
             "variable cannot hold; use bool, integer, floating or complex values."
         )
     if dtype is None:
@@ -453,6 +464,36 @@ def _initial_array(initial_value: Any, dtype: Any, backend: Backend, name: str |
             "information. Pass an initial value of that kind, or cast it explicitly first."
         )
     return xp.asarray(value if not is_array(value) else source, dtype=target, copy=True)
+
+
+def _foreign_value(what: str, source: Any, backend: Backend) -> str | None:
+    """Why ``backend`` cannot take ``source`` when it is another library's array (a
+    ``torch.Tensor`` on the sim), else ``None``."""
+    if isinstance(source, np.ndarray | np.generic):
+        return None
+    cls = type(source)
+    type_name = f"{cls.__module__}.{cls.__qualname__}"
+    dtype = dtype_name(source.dtype)
+    owners = backends_owning(source)
+    if owners and backend.name not in owners:
+        return (
+            f"{what} is a {type_name} (dtype {dtype}), an array of backend {owners[0]!r}, but "
+            f"this variable is on backend {backend.name!r}. Use a strategy on that backend "
+            f"(e.g. MirroredStrategy(backend={owners[0]!r})), or pass a NumPy array. Outside "
+            "any strategy scope a variable takes the backend of its value's type."
+        )
+    try:
+        numeric = np.dtype(dtype).kind in "biufc"
+    except TypeError:  # a name NumPy does not define (bfloat16 without ml_dtypes)
+        numeric = dtype.startswith(("bfloat", "float"))
+    if numeric:
+        return (
+            f"{what} is a {type_name} (dtype {dtype}), which backend {backend.name!r} does not "
+            "take: it takes its own arrays, NumPy arrays and Python numbers. Convert the value "
+            "to NumPy first (np.asarray(value)), or install and use the backend that owns "
+            f"{type_name}."
+        )
+    return None
 
 
 def _common_name(name: str) -> str:
@@ -542,7 +583,11 @@ class Variable(metaclass=_VariableMeta):
         aggregation: VariableAggregation = VariableAggregation.NONE,
     ) -> None:
         sync, agg, trainable = _validate_options(synchronization, aggregation, trainable, name)
-        backend = get_backend()
+        if callable(initial_value) and not isinstance(initial_value, Variable | DistributedValues):
+            initial_value = initial_value()
+        # No strategy: the backend that owns the value's type (a torch.Tensor makes a
+        # torch variable), else $POLYDIST_BACKEND or the sim.
+        backend = get_backend_for_value(_read_operand(initial_value))
         array = _initial_array(initial_value, dtype, backend, name)
         self._setup(
             backend.place(array, HOST_DEVICE),
@@ -867,6 +912,10 @@ class Variable(metaclass=_VariableMeta):
         python_value = not is_array(value)
         source = convert_to_array(value) if python_value else value
         src_kind, dst_kind = _kind(source.dtype, xp), _kind(target, xp)
+        if src_kind == "?":
+            foreign = _foreign_value(f"The value to {op}", source, self._backend)
+            if foreign is not None:
+                raise TypeError(foreign)
         if dst_kind not in _CASTS.get(src_kind, ""):
             raise TypeError(
                 f"Cannot {op} a {describe(source)} value to variable {self._name!r} of dtype "

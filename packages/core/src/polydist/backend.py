@@ -5,18 +5,27 @@ Register under the entry-point group ``polydist.backends``::
     [project.entry-points."polydist.backends"]
     mybackend = "my_package:MyBackend"
 
+and declare the array type it owns (optional) under ``polydist.array_types``, so
+that a plain ``polydist.Variable`` of such an array lands on it::
+
+    [project.entry-points."polydist.array_types"]
+    mybackend = "my_array_module:ArrayType"
+
 See ``docs/extending.md`` for the contract.
 """
 
 from polydist._arrays import convert_to_array as convert_to_array
 from polydist._arrays import mean_from_sum as mean_from_sum
+from polydist._backend import ARRAY_TYPES_GROUP as ARRAY_TYPES_GROUP
 from polydist._backend import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
 from polydist._backend import Backend as Backend
 from polydist._backend import Capabilities as Capabilities
 from polydist._backend import ReplicaChannel as ReplicaChannel
 from polydist._backend import available_backends as available_backends
+from polydist._backend import backends_owning as backends_owning
 from polydist._backend import batch_all_reduce as batch_all_reduce
 from polydist._backend import get_backend as get_backend
+from polydist._backend import get_backend_for_value as get_backend_for_value
 from polydist._backend import is_symbolic as is_symbolic
 from polydist._backend import local_tpu_system as local_tpu_system
 from polydist._backend import pack_by_dtype as pack_by_dtype
@@ -25,23 +34,28 @@ from polydist._eager import EagerReplicaRunner as EagerReplicaRunner
 from polydist._eager import busy_workers as busy_workers
 from polydist._eager import default_timeout as default_timeout
 from polydist._eager import timeout_seconds_from_env as timeout_seconds_from_env
+from polydist._nest import register_tree_system as register_tree_system
 
 __all__ = [
+    "ARRAY_TYPES_GROUP",
     "ENTRY_POINT_GROUP",
     "Backend",
     "Capabilities",
     "EagerReplicaRunner",
     "ReplicaChannel",
     "available_backends",
+    "backends_owning",
     "batch_all_reduce",
     "busy_workers",
     "convert_to_array",
     "default_timeout",
     "get_backend",
+    "get_backend_for_value",
     "is_symbolic",
     "local_tpu_system",
     "mean_from_sum",
     "pack_by_dtype",
     "pack_by_size",
+    "register_tree_system",
     "timeout_seconds_from_env",
 ]

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import optree
 
-from polydist import _context
+from polydist import _context, _nest
 from polydist._arrays import describe, is_floating
 from polydist._backend import Backend
 from polydist._strategy import Strategy
@@ -56,11 +55,7 @@ def check_replicas_identical(strategy_or_values: Any = None) -> int:
                 items.append((f"MirroredVariable {var.name!r}", var, var._backend))
     else:
         backend = _context.get_strategy().extended._backend
-        paths, leaves, _ = optree.tree_flatten_with_path(
-            strategy_or_values,
-            is_leaf=lambda x: isinstance(x, DistributedValues),
-            none_is_leaf=True,
-        )
+        paths, leaves, _ = _nest.flatten_with_path(strategy_or_values)
         for path, leaf in zip(paths, leaves):
             where = "".join(f"[{p!r}]" for p in path)
             if isinstance(leaf, MirroredVariable):

@@ -22,12 +22,17 @@ import numpy as np
 
 from polydist import _context
 from polydist._arrays import convert_to_array, describe, is_floating
+from polydist._backend import backends_owning, get_backend_for_value
 from polydist._reduce_op import ReduceOp
 
 __all__ = ["compute_average_loss", "compute_average_loss_exact", "scale_regularization_loss"]
 
 
-def _namespace() -> Any:
+def _namespace(value: Any) -> Any:
+    """The current strategy's array namespace; outside any strategy (the default
+    strategy), that of the backend owning ``value``'s type (a ``torch.Tensor``: torch)."""
+    if not _context.has_strategy() and backends_owning(value):
+        return get_backend_for_value(value).array_namespace()
     return _context.get_strategy().extended.array_namespace()
 
 
@@ -96,7 +101,7 @@ def compute_average_loss(
     batch size of 0 gives 0. Call it in replica context (inside
     ``strategy.run``) when ``global_batch_size`` is not given.
     """
-    xp = _namespace()
+    xp = _namespace(per_example_loss)
     losses = _weighted_losses(xp, per_example_loss, sample_weight)
     if global_batch_size is None:
         _require_replica_context("compute_average_loss")
@@ -135,7 +140,7 @@ def compute_average_loss_exact(per_example_loss: Any, sample_weight: Any = None)
     every replica runs the same function, that is the normal use).
     """
     _require_replica_context("compute_average_loss_exact")
-    xp = _namespace()
+    xp = _namespace(per_example_loss)
     losses = _weighted_losses(xp, per_example_loss, sample_weight)
     ctx = _context.get_replica_context()
     local_count = np.asarray(losses.shape[0], dtype=np.int32)
@@ -149,6 +154,6 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
     Summed over the replicas, the regularization term then counts once.
     """
     _require_replica_context("scale_regularization_loss")
-    xp = _namespace()
+    xp = _namespace(regularization_loss)
     total = xp.asarray(xp.sum(convert_to_array(regularization_loss)))
     return total / xp.asarray(_num_replicas_in_sync(), dtype=total.dtype)

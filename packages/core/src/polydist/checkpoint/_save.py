@@ -35,12 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import optree
 
-from polydist import _context
+from polydist import _context, _nest
 from polydist._arrays import dtype_name
 from polydist._strategy import Strategy
-from polydist._values import DistributedValues
 from polydist._variables import (
     DistributedVariable,
     MirroredVariable,
@@ -196,11 +194,7 @@ def _collect(obj: Any, what: str) -> tuple[list[tuple[str, Variable]], Strategy 
         items = [(_common_name(v.name), v) for v in variables]
         strategy: Strategy | None = obj
     else:
-        paths, leaves, _ = optree.tree_flatten_with_path(
-            obj,
-            is_leaf=lambda x: isinstance(x, Variable | DistributedValues),
-            none_is_leaf=True,
-        )
+        paths, leaves, _ = _nest.flatten_with_path(obj, is_leaf=lambda x: isinstance(x, Variable))
         for path, leaf in zip(paths, leaves):
             where = "/".join(str(p) for p in path)
             if not isinstance(leaf, Variable):

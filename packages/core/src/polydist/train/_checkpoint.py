@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import optree
 
-from polydist import _context
+from polydist import _context, _nest
 from polydist._arrays import dtype_name
 from polydist._variables import Variable, VariableAggregation, _components
 from polydist.checkpoint._io import (
@@ -174,11 +173,11 @@ _Slot = _VarSlot | _StateSlot | _NestSlot
 
 
 def _pytree_node(x: Any) -> Any:
-    """optree's one-level view of ``x`` if it is a registered pytree node (other than a
-    leaf), else None: pytrees beyond dicts, lists and tuples are nests too."""
-    if isinstance(x, Variable) or optree.tree_is_leaf(x, none_is_leaf=True):
+    """optree's one-level view of ``x`` if it is a pytree node under core's nest rule
+    (framework pytrees included, through the backends' tree systems), else None."""
+    if isinstance(x, Variable):
         return None
-    return optree.tree_flatten_one_level(x, none_is_leaf=True)
+    return _nest.flatten_one_level(x)
 
 
 def _is_namedtuple(x: object) -> bool:

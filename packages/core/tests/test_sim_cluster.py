@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from polydist._sim import SimBackend
 from polydist.cluster_resolver import (
     ClusterResolver,
     ClusterSpec,
@@ -13,7 +14,6 @@ from polydist.cluster_resolver import (
     get_accelerator_devices,
     set_accelerator_device_lister,
 )
-from polydist_sim import SimBackend
 
 W1_GPU0 = "/job:worker/replica:0/task:1/device:GPU:0"
 

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from polydist._sim._reduction import REDUCTION_ORDERS, ReductionOrder, sum_replicas
 from polydist.backend import Capabilities, EagerReplicaRunner
 from polydist.cluster_resolver import set_accelerator_device_lister
-from polydist_sim._reduction import REDUCTION_ORDERS, ReductionOrder, sum_replicas
 
 if TYPE_CHECKING:
     from polydist import StrategyExtended

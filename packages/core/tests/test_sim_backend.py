@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist_sim import MAX_DEVICES, SimBackend
+from polydist._sim import MAX_DEVICES, SimBackend
 
 
 def test_reduction_order_is_validated() -> None:
@@ -87,4 +87,5 @@ def test_cli_demo_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 2
     assert "expected a positive integer, got 0" in capsys.readouterr().err
     assert main(["demo", "--backend", "nope"]) == 2
-    assert "pip install" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "To use it, install the package that provides the 'nope' backend" in err

@@ -1,4 +1,4 @@
-"""Tests for polydist_sim._reduction.sum_replicas."""
+"""Tests for polydist._sim._reduction.sum_replicas (the sim backend's sums)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from polydist_sim._reduction import REDUCTION_ORDERS, sum_replicas
+from polydist._sim._reduction import REDUCTION_ORDERS, sum_replicas
 
 Array = npt.NDArray[Any]
 

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import polydist as pd
-from polydist_sim import SimBackend, _reduction
-from polydist_sim._reduction import REDUCTION_ORDERS, _round_dyadic, sum_replicas
+from polydist._sim import SimBackend, _reduction
+from polydist._sim._reduction import REDUCTION_ORDERS, _round_dyadic, sum_replicas
 
 Array = npt.NDArray[Any]
 
@@ -207,8 +207,8 @@ def test_non_float_extension_dtypes_are_refused(order: Any, dtype: Any) -> None:
 
 def test_numpy_dtypes_do_not_import_ml_dtypes() -> None:
     code = (
-        "import sys, numpy as np, polydist, polydist_sim\n"
-        "from polydist_sim._reduction import sum_replicas\n"
+        "import sys, numpy as np, polydist\n"
+        "from polydist._sim._reduction import sum_replicas\n"
         "for order in ('exact', 'sequential'):\n"
         "    sum_replicas([np.ones(2, np.float32)] * 3, order)\n"
         "    sum_replicas([np.ones(2, np.float16)] * 3, order)\n"
