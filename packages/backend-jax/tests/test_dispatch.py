@@ -13,7 +13,7 @@ import pytest
 
 import polydist as pd
 from polydist._variables import storage_arrays
-from polydist_jax import JaxBackend, _input, _namespace, _spmd
+from polydist_jax import JaxBackend, _input, _spmd
 
 N = 4
 
@@ -96,22 +96,6 @@ def test_variables_only_read_are_not_donated() -> None:
     assert not read_only.is_deleted()
     assert v.values[0].numpy().tolist() == [1.0] * 4
     assert w.values[3].numpy().tolist() == [2.0] * 4
-
-
-def test_assign_traces_no_copy() -> None:
-    # copy=True of a traced value is the value: no copy primitive, so XLA writes the
-    # new value straight into the donated buffer.
-    @jax.jit
-    def f(x: Any) -> Any:
-        y = _namespace.asarray(x, copy=True)
-        assert y is x
-        return y
-
-    jaxpr = jax.make_jaxpr(f)(jnp.ones(3))
-    assert "copy" not in str(jaxpr)
-    concrete = jnp.ones(3)
-    copied = _namespace.asarray(concrete, copy=True)
-    assert copied is not concrete and copied.tolist() == [1.0] * 3
 
 
 def test_a_shared_input_is_placed_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ TF's MEAN (and the sim's) is the sum divided by the count, so core's
 ``mean_from_sum`` divides with ``exact_divide`` where the namespace has one. Here
 the divisor is a full array of the count behind an ``optimization_barrier``: XLA's
 simplifier cannot see that it is a broadcast scalar, so the divide stays a divide.
-``asarray`` copies no traced value. Everything else is ``jax.numpy`` itself.
+Everything else is ``jax.numpy`` itself.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as _jnp
 from jax import lax
 
-__all__ = ["asarray", "exact_divide"]
+__all__ = ["exact_divide"]
 
 
 @jax.jit
@@ -38,19 +38,9 @@ def exact_divide(total: Any, count: Any) -> Any:
     return _divide(total, count)
 
 
-def asarray(a: Any, dtype: Any = None, copy: bool | None = None, **kwargs: Any) -> Any:
-    """``jnp.asarray``; ``copy=True`` of a traced value is the value itself. (Traced
-    values are immutable, so the copy is meaningless, but its ``copy`` primitive makes
-    XLA keep two buffers: the result, then its copy into the output of a variable's
-    new value, which costs a step the size of the variable.)"""
-    if copy and isinstance(a, jax.core.Tracer):
-        copy = None
-    return _jnp.asarray(a, dtype=dtype, copy=copy, **kwargs)
-
-
 def __getattr__(name: str) -> Any:
     return getattr(_jnp, name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(dir(_jnp)) | {"asarray", "exact_divide"})
+    return sorted(set(dir(_jnp)) | {"exact_divide"})
