@@ -104,7 +104,8 @@ def test_a_shared_input_is_placed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     replicate = _spmd._Mesh.replicate
 
     def counting(self: Any, value: Any) -> Any:
-        calls.append(value)
+        if np.shape(value) == (3,):  # not the runner's own flag (a scalar)
+            calls.append(value)
         return replicate(self, value)
 
     monkeypatch.setattr(_spmd._Mesh, "replicate", counting)
@@ -131,8 +132,9 @@ def test_per_replica_arrays_in_place_are_joined_once() -> None:
 
 
 def test_divergence_in_a_later_step_still_warns() -> None:
-    # The first call reads its fingerprints at once; later ones are read once their step
-    # finished, at most `limit` steps late.
+    # A program's first calls hash the copies and read the hashes at once; later, one call
+    # in CHECK_EVERY hashes them, read once that step has finished (at most `limit` steps
+    # later). A divergence from then on still warns, once, naming the variable.
     strategy, backend = make()
     with strategy.scope():
         v = pd.Variable(np.zeros(2, np.float32), name="late")
@@ -144,11 +146,33 @@ def test_divergence_in_a_later_step_still_warns() -> None:
     differ = pd.PerReplica([np.full(2, r, np.float32) for r in range(N)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        strategy.run(step, (same,))
+        for _ in range(_spmd.CHECK_AT_ONCE):
+            strategy.run(step, (same,))
         assert not caught
-        strategy.run(step, (differ,))
-        for _ in range(backend._compiled._divergence.limit + 1):
-            strategy.run(lambda: None)
+        for _ in range(_spmd.CHECK_EVERY + backend._compiled._divergence.limit + 1):
             strategy.run(step, (differ,))
     messages = [str(w.message) for w in caught if w.category is pd.ReplicaDivergenceWarning]
     assert len(messages) == 1 and "'late:0'" in messages[0]
+    assert [c.numpy().tolist() for c in v.values] == [[float(r)] * 2 for r in range(N)]
+
+
+def test_divergence_is_hashed_in_one_step_of_check_every(monkeypatch: pytest.MonkeyPatch) -> None:
+    strategy, backend = make()
+    with strategy.scope():
+        v = pd.Variable(np.zeros(2, np.float32))
+    flags: list[bool] = []
+    checks = _spmd.CompiledRunner._checks
+
+    def spy(self: Any, program: Any, mesh: Any) -> bool:
+        flags.append(checks(self, program, mesh))
+        return flags[-1]
+
+    monkeypatch.setattr(_spmd.CompiledRunner, "_checks", spy)
+    step = add_one(v)
+    for _ in range(2 * _spmd.CHECK_EVERY):
+        strategy.run(step)
+    assert backend.compile_count == 1
+    assert [c.numpy()[0] for c in v.values] == [2.0 * _spmd.CHECK_EVERY] * N
+    at_once = _spmd.CHECK_AT_ONCE
+    hashed = [i for i, f in enumerate(flags) if f]
+    assert hashed == [*range(at_once), _spmd.CHECK_EVERY]

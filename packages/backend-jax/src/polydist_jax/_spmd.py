@@ -79,6 +79,13 @@ __all__ = ["CompiledRunner", "Uneven"]
 #: Compiled programs kept per strategy (least recently used ones are dropped).
 CACHE_SIZE = 256
 
+#: The divergence warning's check (`_DivergenceChecks`) of the NONE variables a program
+#: writes in replica context: its first calls hash their copies and read the hashes at
+#: once (waiting for the step); later, one call in `CHECK_EVERY` hashes them, read
+#: once that step has finished.
+CHECK_AT_ONCE = 4
+CHECK_EVERY = 16
+
 _REPLICA, _SHARED, _STATIC, _VARIABLE = "replica", "shared", "static", "variable"
 # A zero-size array input: made inside the program (it holds no data). As a program
 # input beside a collective it crashes XLA:CPU's compiler (jax 0.11.2).
@@ -417,8 +424,7 @@ class _Program:
     local: Any = None
     donated: tuple[int, ...] = ()  # input positions donated (written variables)
     counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # split, replicated, updated, checks
-    # Whether a call's fingerprints were read at once (the program's first call is).
-    checked: bool = False
+    calls: int = 0  # calls so far (which ones check divergence: `CompiledRunner._checks`)
 
 
 class _Call(threading.local):
@@ -426,6 +432,7 @@ class _Call(threading.local):
 
     def __init__(self) -> None:
         self.variables: list[Variable] = []
+        self.check = True  # whether the call hashes its NONE variables (`_checks`)
 
 
 _call = _Call()
@@ -733,6 +740,7 @@ class CompiledRunner:
         self._variable_inputs = _functional.InputCache()
         self._in_flight: collections.deque[Any] = collections.deque()
         self._divergence = _DivergenceChecks()
+        self._flags: dict[tuple[int, bool], tuple[_Mesh, Any]] = {}
         # id(shared input) -> (its weak reference, mesh, its replicated copy or None: itself)
         self._placed: dict[int, tuple[weakref.ref[Any], _Mesh, Any]] = {}
 
@@ -768,6 +776,9 @@ class CompiledRunner:
             prepared = self._prepare_across(group, extended, fn, per_replica_args)
         program, inputs, columns, mesh, traced = prepared
         call_variables = _call.variables
+        checked = _call.check
+        first_calls = program.calls < CHECK_AT_ONCE
+        program.calls += 1
         self._divergence.poll()  # earlier steps' checks that have finished (no wait)
         try:
             if group is None:
@@ -794,13 +805,12 @@ class CompiledRunner:
         if _trace.is_tracing():
             _replay(program.events)
         self._write_back(program, variables, updated, mesh, traced)
-        if fingerprints and not is_tracer(fingerprints[0]):
+        if fingerprints and checked and program.dirty and not is_tracer(fingerprints[0]):
             dirty = [variables[p] for p in program.dirty]
             if not all(getattr(v, "_divergence_warned", False) for v in dirty):
-                # The program's first call is checked at once; later calls without
+                # A program's first calls are checked at once; later ones without
                 # waiting for the step (`_DivergenceChecks`).
-                self._divergence.add(dirty, fingerprints[0], mesh, wait=not program.checked)
-                program.checked = True
+                self._divergence.add(dirty, fingerprints[0], mesh, wait=first_calls)
         return self._results(program, columns, split, replicated, mesh, traced, variables)
 
     def _local_call(self, program: _Program, inputs: list[Any], n_variables: int) -> Any:
@@ -820,7 +830,7 @@ class CompiledRunner:
         if program.local is None:
             with _spmd_note():
                 stage = program.jitted.trace(*inputs)
-            first = len(inputs) - n_variables
+            first = len(inputs) - 1 - n_variables  # the inputs, the variables, the flag
             program.donated = tuple(
                 first + p
                 for p, _ in program.updates
@@ -832,7 +842,7 @@ class CompiledRunner:
             program.local = jax.jit(
                 jaxpr_as_fun(stage.jaxpr), donate_argnums=program.donated, keep_unused=True
             )
-        first = len(inputs) - n_variables
+        first = len(inputs) - 1 - n_variables
         for i in program.donated:
             if not self._variable_inputs.exclusive(_call.variables[i - first]):
                 inputs[i] = _copy(inputs[i])
@@ -941,7 +951,25 @@ class CompiledRunner:
         key = (fn, spec, tuple(leaf.key() for leaf in leaves), var_keys, x64_enabled())
         program = self._program(extended, key, fn, leaves, mesh, spec, variables)
         _call.variables = variables  # what a trace of this call functionalizes
-        return program, inputs + var_inputs, columns, mesh, traced
+        _call.check = self._checks(program, mesh)
+        flag = self._check_flag(mesh, _call.check)
+        return program, [*inputs, *var_inputs, flag], columns, mesh, traced
+
+    def _checks(self, program: _Program, mesh: _Mesh) -> bool:
+        """Whether this call of ``program`` hashes its NONE variables' copies: its first
+        `CHECK_AT_ONCE` calls, then one in `CHECK_EVERY` (every call across processes)."""
+        calls = program.calls
+        return mesh.spans_processes or calls < CHECK_AT_ONCE or calls % CHECK_EVERY == 0
+
+    def _check_flag(self, mesh: _Mesh, check: bool) -> Any:
+        key = (id(mesh), check)
+        hit = self._flags.get(key)
+        if hit is not None and hit[0] is mesh:
+            return hit[1]
+        with jax.ensure_compile_time_eval():
+            flag = mesh.replicate(np.bool_(check))
+        self._flags[key] = (mesh, flag)  # the mesh kept: its id is not reused
+        return flag
 
     def _variable_input_arrays(
         self, variables: list[Variable], mesh: _Mesh
@@ -1218,13 +1246,15 @@ class CompiledRunner:
         # The variables' copies follow the other inputs: split (one copy per replica), or
         # replicated for a plain variable (one copy, read-only).
         in_specs += tuple(split_spec if d else pspec() for d in distributed)
+        in_specs += (pspec(),)  # the divergence check's flag (`_check_flag`), last
 
         def body(*blocks: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
             self.compile_count += 1
             program.traces += 1
             variables = _call.variables
             var_blocks = []
-            for var, block in zip(variables, blocks[len(dynamic) :], strict=True):
+            check = blocks[-1]
+            for var, block in zip(variables, blocks[len(dynamic) : -1], strict=True):
                 if isinstance(var, DistributedVariable) and not var.shape:
                     block = jnp.reshape(block, ())  # rank-0 copies travel as shape [1]
                 block = vary(block)  # as shared inputs
@@ -1273,7 +1303,7 @@ class CompiledRunner:
             # One replica in all: its one copy cannot diverge (nothing to hash).
             program.dirty = traced_vars.dirty if mesh.replicas > 1 else []
             new_values = [jnp.reshape(v, (1,)) if not variables[i].shape else v for i, v in updates]
-            fingerprints = [_functional.fingerprint(traced_vars.final[i]) for i in program.dirty]
+            finals = [traced_vars.final[i] for i in program.dirty]
             positions = {id(v): i for i, v in enumerate(variables)}
             flat, program.out_spec = _nest.flatten(result)
             outputs: list[_Output] = []
@@ -1317,7 +1347,18 @@ class CompiledRunner:
                         outputs.append(_Output("replicated", len(replicated), common=common))
                         replicated.append(leaf_value)
             program.outputs = outputs
-            checks = [jnp.reshape(jnp.stack(fingerprints), (1, -1))] if fingerprints else []
+            checks = []
+            if finals:
+                # Hashed only in the steps that check (`_check_flag`): the hashes cost
+                # device time the size of the variables.
+                def hashes() -> Any:
+                    fingerprints = [_functional.fingerprint(x) for x in finals]
+                    return jnp.reshape(jnp.stack(fingerprints), (1, -1))
+
+                def skipped() -> Any:
+                    return vary(jnp.zeros((1, 2 * len(finals)), jnp.uint32))
+
+                checks = [lax.cond(check, hashes, skipped)]
             if not (split or replicated or checks) and new_values and _throttled(mesh):
                 # Something for `_throttle` to wait on that is not donated next step.
                 checks = [jnp.zeros((1, 1), jnp.uint32)]
@@ -1405,14 +1446,14 @@ class _DivergenceChecks:
     """The NONE-aggregation divergence check (core's ``ReplicaDivergenceWarning``)
     without a host round trip per step.
 
-    A program that writes NONE variables in replica context also returns a fingerprint
-    of each one's copies (`_functional.fingerprint`), one row per replica, computed on
-    the device with the step. A program's first call reads them at once (waiting for
-    the step), so a step that diverges the copies from the start warns in that very
-    call. Later calls queue them: each ``run`` reads the queued fingerprints whose step
-    has finished (``is_ready``, no wait) and waits only when more than ``limit`` steps
-    are unread. A divergence is reported by the run that reads it (then core compares
-    the copies as they are by then), at most ``limit`` steps late.
+    A program that writes NONE variables in replica context returns a fingerprint of
+    each one's copies (`_functional.fingerprint`), one row per replica, hashed on the
+    device in the calls that check (`CompiledRunner._checks`). A program's first
+    `CHECK_AT_ONCE` calls read them at once (waiting for the step), so a step that
+    diverges the copies early warns in that very call. Later checks are queued: each
+    ``run`` reads the queued fingerprints whose step has finished (``is_ready``, no
+    wait) and waits only when more than ``limit`` are unread. A divergence is reported
+    by the run that reads it (core then compares the copies as they are by then).
     """
 
     def __init__(self, limit: int = 8) -> None:
