@@ -299,6 +299,28 @@ def test_strategy_reduce_and_gather(op: str) -> None:
     run_both(program)
 
 
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_reduce_with_axis_of_numpy_values(op: str) -> None:
+    """NumPy components (never placed by the caller) reduce over an axis as the sim's.
+
+    Issue 22 item 5: torch's xp.sum got the NumPy arrays and raised TypeError.
+    """
+    ones = np.ones((2, 3), np.float32)
+    ints = [np.arange(6, dtype=np.int32).reshape(2, 3) * (r + 1) for r in range(N)]
+
+    def program(s: pd.Strategy) -> Any:
+        from_run = s.run(lambda: np.full((3, 2), 1.5, np.float32) * (1 + int(rid())))
+        return (
+            s.reduce(op, pd.PerReplica([ones] * N), axis=0),
+            s.reduce(op, pd.PerReplica(ints), axis=[0, 1]),
+            s.reduce(op, ones, axis=1),  # a plain value counts once per replica
+            s.reduce(op, from_run, axis=0),
+        )
+
+    run_both(program)
+    run_both(program, 2)
+
+
 def test_reduce_of_mirrored_and_plain_values() -> None:
     def program(s: pd.Strategy) -> Any:
         mirrored = s.run(lambda: pd.get_replica_context().all_reduce("SUM", 2.0))

@@ -271,3 +271,31 @@ def test_replica_default_device_decides_where_factories_land(
         torch.set_default_device(None)
     assert made.device.type == ("cpu" if replica_default_device else "meta")
     assert ("replica_default_device=False" in repr(backend)) is not replica_default_device
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "nan"])
+def test_a_bad_timeout_variable_is_refused_with_cores_message(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """Issue 22 item 9: ``POLYDIST_TIMEOUT_SECONDS=-5`` was accepted silently on torch (a
+    lone replica runs inline and never waits) and ``abc`` failed without naming it. torch
+    reads it through core's one parser: when a backend is made (before a worker joins its
+    cluster), and at each run of a strategy made before."""
+    from polydist.backend import timeout_seconds_from_env as parse
+    from polydist_torch import TorchProcessGroupBackend
+
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend())
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", value)
+    with pytest.raises(ValueError) as expected:
+        parse()
+    message = str(expected.value)
+    assert "POLYDIST_TIMEOUT_SECONDS" in message and repr(value) in message
+    for make in (TorchBackend, TorchProcessGroupBackend):
+        with pytest.raises(ValueError) as made:
+            make()
+        assert str(made.value) == message
+    with pytest.raises(ValueError) as ran:
+        strategy.run(lambda: pd.get_replica_context().all_reduce("SUM", 1.0))
+    assert str(ran.value) == message
+    # A backend given its timeout does not read the variable.
+    assert TorchBackend(timeout_seconds=5.0).reduction == "sequential"

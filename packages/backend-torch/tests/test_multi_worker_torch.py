@@ -8,6 +8,7 @@ a worker that ended early, and torchrun's environment.
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import subprocess
@@ -205,6 +206,79 @@ def test_bad_rendezvous_address() -> None:
     assert _split_address("[::1]:80") == ("::1", 80)
     with pytest.raises(ValueError, match="must be 'host:port'"):
         _split_address("localhost")
+
+
+# --------------------------------------------------------------------------- under polydist launch
+
+PROBE = Path(__file__).resolve().parent / "mw_probe.py"
+
+
+def launch_probe(*args: str, env: dict[str, str] | None = None) -> str:
+    """``polydist launch -n 2 mw_probe.py ARGS``: its output, every worker's lines."""
+    log = io.StringIO()
+    result = _launch.launch(
+        2,
+        str(PROBE),
+        list(args),
+        timeout=120,
+        stdout=log,
+        stderr=log,
+        env={**ENGINE.environment(), **(env or {})},
+    )
+    assert result.exit_code == 0, f"{result.message}\n{log.getvalue()[-3000:]}"
+    out = log.getvalue()
+    assert "[worker 0] worker 0: sum 3.0" in out and "[worker 1] worker 1: sum 3.0" in out, out
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="all of 127.0.0.0/8 is loopback on Linux")
+def test_the_rendezvous_listens_on_the_clusters_address_only() -> None:
+    """Issue 22 item 12: TCPStore's own server listened on every interface, whatever the
+    cluster said; under polydist launch (127.0.0.1) nothing else may reach it."""
+    out = launch_probe()
+    assert "[worker 0] worker 0: from 127.0.0.1 True" in out, out
+    assert "[worker 0] worker 0: from 127.0.0.2 False" in out, out
+
+
+def test_worker_0_listens_on_its_own_address_or_says_it_cannot() -> None:
+    from polydist_torch._multi_worker import _listen_on
+
+    with _listen_on("127.0.0.1", 0) as sock:  # type: ignore[union-attr]
+        assert sock.getsockname()[0] == "127.0.0.1"
+        with pytest.raises(OSError, match="in use"):  # the port is taken: no silent fallback
+            _listen_on("127.0.0.1", sock.getsockname()[1])
+    # TEST-NET-1 (RFC 5737) is no machine's address: the store falls back to every interface.
+    assert _listen_on("192.0.2.1", 0) is None
+
+
+def test_worker_0_names_a_host_it_cannot_resolve() -> None:
+    from polydist_torch._multi_worker import _ProcessGroup
+
+    names = ["/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"]
+    with pytest.raises(pd.errors.UnavailableError) as raised:
+        _ProcessGroup.join(
+            "no-such-host.invalid:2222",
+            rank=0,
+            world_size=2,
+            timeout=2,
+            names=names,
+            addresses=["no-such-host.invalid:2222", "127.0.0.1:2223"],
+            dist_backend="gloo",
+        )
+    message = str(raised.value)
+    assert "cannot host the cluster's rendezvous at no-such-host.invalid:2222" in message
+    assert "Is 'no-such-host.invalid' right? Worker 0 must resolve it" in message
+
+
+def test_launch_prints_no_gloo_connection_lines_unless_asked() -> None:
+    """Issue 22 item 15: torch <= 2.9's gloo prints a "[Gloo] Rank i is connected to ..."
+    line per worker on standard output (``--old-gloo`` prints it as that gloo does)."""
+    out = launch_probe("--old-gloo")
+    assert "[Gloo]" not in out, out
+    assert "[worker 1] worker 1: joined" in out, out  # the worker's own output is kept
+    asked = launch_probe("--old-gloo", env={"GLOO_LOG_LEVEL": "INFO"})
+    for worker in (0, 1):
+        assert f"[worker {worker}] [Gloo] Rank {worker} is connected to 1 peer ranks" in asked
 
 
 def test_a_step_against_a_gather_raises_collective_mismatch_on_both(tmp_path: Path) -> None:

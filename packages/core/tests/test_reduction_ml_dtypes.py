@@ -89,10 +89,14 @@ def test_exact_subnormals() -> None:
     assert_same(sum_replicas(reps(BF16, 2.0**-126 + tiny, tiny)), 2.0**-126 + 2 * tiny, BF16)
 
 
+@pytest.mark.parametrize("levels", [1, _reduction._DISTILL_LEVELS])
 @pytest.mark.parametrize(("odd", "want"), [(False, 1.0), (True, 1 + 2**-6)])
-def test_exact_integer_fallback(monkeypatch: pytest.MonkeyPatch, odd: bool, want: float) -> None:
-    # 2**100 swamps the small terms, whose errors span too many bits for the
-    # second TwoSum level: the exact per-element path must round the tie.
+def test_exact_integer_fallback(
+    monkeypatch: pytest.MonkeyPatch, odd: bool, want: float, levels: int
+) -> None:
+    # 2**100 swamps the small terms, whose errors span too many bits for one
+    # TwoSum level: with one level the exact per-element path must round the
+    # tie; the default levels distill the errors until they vanish.
     calls: list[int] = []
     fallback = _reduction._exact_fallback
 
@@ -101,10 +105,11 @@ def test_exact_integer_fallback(monkeypatch: pytest.MonkeyPatch, odd: bool, want
         return fallback(cols, dtype)
 
     monkeypatch.setattr(_reduction, "_exact_fallback", spy)
+    monkeypatch.setattr(_reduction, "_DISTILL_LEVELS", levels)
     big, tiny = 2.0**100, 2.0**-100
     one = 1 + 2.0**-7 if odd else 1.0
     assert_same(sum_replicas(reps(BF16, big, one, 2.0**-8, tiny, -tiny, -big)), want, BF16)
-    assert calls == [1]
+    assert calls == ([1] if levels == 1 else [])
 
 
 def test_exact_overflow() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from polydist._devices import DeviceSpec
-from polydist.backend import Capabilities, EagerReplicaRunner
+from polydist.backend import Capabilities, EagerReplicaRunner, default_timeout
 from polydist_torch import _collectives, _low_precision
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._devices import (
@@ -51,7 +51,8 @@ class TorchBackend:
             is ``"nccl"`` with two or more CUDA devices, else ``"sequential"``.
         timeout_seconds: how long one replica may run between two collectives
             before it is reported as stuck (default ``$POLYDIST_TIMEOUT_SECONDS``
-            or 300).
+            or 300; a variable that is not a positive number of seconds raises
+            ``ValueError`` here, through core's parser).
         replica_default_device: whether factory functions called in a replica
             without ``device=`` (``torch.zeros(3)``) make their tensor on the
             replica's device, as TF places a replica's ops (default ``True``). It
@@ -77,6 +78,11 @@ class TorchBackend:
             raise ValueError(
                 f"Unknown reduction {reduction!r}: expected 'auto', 'sequential' or 'nccl'."
             )
+        if timeout_seconds is None:
+            # Core's parser of $POLYDIST_TIMEOUT_SECONDS, now rather than at the first run:
+            # a bad value fails before a worker joins its cluster (the runner reads it
+            # again at each run, so a later change still counts).
+            default_timeout()
         if reduction == "auto":
             reduction = "nccl" if cuda_device_count() > 1 else "sequential"
         self.reduction: _collectives.Algorithm = reduction

@@ -19,7 +19,9 @@ The cluster comes from, in order: the ``cluster_resolver`` argument;
 the rendezvous: worker 0 hosts a ``TCPStore`` there (under ``torchrun``, the
 agent's store is used instead) through which the workers find each other
 (``init_process_group(store=...)``, the ``tcp://`` rendezvous with the store
-kept for diagnosis).
+kept for diagnosis). The store listens on that address only (`_listen_on`),
+not on every interface as TCPStore's own server does; it is unauthenticated
+(docs/multi-host.md).
 
 Bounds and faults (``CommunicationOptions.timeout_seconds``, default
 `DEFAULT_TIMEOUT_SECONDS` = 60 s; 0 disables):
@@ -51,15 +53,23 @@ checked (no store).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import errno
 import os
+import re
+import socket
+import sys
+import tempfile
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch.torch_version import TorchVersion
 
 from polydist import _multi_process as mp
 from polydist import errors
@@ -113,6 +123,113 @@ def _split_address(address: str) -> tuple[str, int]:
             "MASTER_PORT."
         )
     return host, int(port)
+
+
+# The libuv store server listens on a socket it is given only from torch 2.8 on
+# (pytorch#150215); before, the classic server takes it.
+_LIBUV_TAKES_LISTEN_FD = TorchVersion(torch.__version__) >= "2.8"
+
+
+def _listen_on(host: str, port: int) -> socket.socket | None:
+    """A socket listening on ``host:port`` only, for worker 0's store to serve on.
+
+    TCPStore's own server binds every interface whatever host it is given; this
+    binds the address the cluster names for worker 0 (loopback under ``polydist
+    launch``). None where that address is not one of this machine's (a NAT or a
+    load balancer in front of it): the store then binds every interface, as torch
+    does. Other failures (the port is in use) raise ``OSError``.
+    """
+    not_here: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            # As TCPStore's own server: a restarted worker 0 may take the port at once.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(socket.SOMAXCONN)
+        except OSError as e:
+            sock.close()
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise
+            not_here = e
+            continue
+        return sock
+    if not_here is None:  # getaddrinfo found nothing (it raises instead, but be sure)
+        raise OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
+    return None
+
+
+def _tcp_store(host: str, port: int, world_size: int, *, is_master: bool, seconds: float) -> Any:
+    """A ``TCPStore`` client of ``host:port``; with ``is_master``, also its server, listening
+    on that address only where it is one of this machine's (`_listen_on`)."""
+    listener = _listen_on(host, port) if is_master else None
+    if is_master and listener is None:
+        warnings.warn(
+            f"Worker 0 cannot listen on {host} only (the cluster's address for it is not one "
+            f"of this machine's), so the rendezvous store listens on port {port} of every "
+            "interface, unauthenticated. Keep that port reachable only from the cluster's "
+            "machines (docs/multi-host.md: 'PyTorch: what the rendezvous store exposes').",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    try:
+        store = TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=is_master,
+            timeout=_timedelta(seconds),
+            wait_for_workers=False,
+            master_listen_fd=None if listener is None else listener.fileno(),
+            use_libuv=listener is None or _LIBUV_TAKES_LISTEN_FD,
+        )
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    if listener is not None:
+        listener.detach()  # the store's server owns the socket now
+    return store
+
+
+# torch <= 2.9's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number
+# of connected peer ranks is : 1" on standard output (C++ std::cout) for every worker, with
+# no setting to turn it off; later gloo logs it only with GLOO_LOG_LEVEL=INFO.
+_GLOO_CONNECTED = re.compile(rb"^\[Gloo\] Rank \d+ is (NOT )?connected to")
+
+
+@contextlib.contextmanager
+def _without_gloo_connection_lines() -> Iterator[None]:
+    """Drops gloo's report of its connections from this process's standard output (file
+    descriptor 1) while the process group connects; everything else written there
+    meanwhile is written out afterwards, in order. ``GLOO_LOG_LEVEL=INFO`` (or ``DEBUG``)
+    asks for gloo's reports: then nothing is dropped."""
+    if os.environ.get("GLOO_LOG_LEVEL", "").strip().upper() in ("INFO", "DEBUG"):
+        yield
+        return
+    _flush_stdout()  # what Python printed before goes out first
+    try:
+        saved = os.dup(1)
+    except OSError:  # no standard output at all: nothing to keep clean
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            yield
+        finally:
+            _flush_stdout()  # Python's prints meanwhile land in the capture, in order
+            os.dup2(saved, 1)
+            os.close(saved)
+            captured.seek(0)
+            kept = b"".join(line for line in captured if not _GLOO_CONNECTED.match(line))
+            with open(1, "wb", closefd=False) as out:  # writes it all, as os.write may not
+                out.write(kept)
+
+
+def _flush_stdout() -> None:
+    with contextlib.suppress(Exception):  # None, closed, or not a file
+        sys.stdout.flush()
 
 
 def _first_line(err: BaseException) -> str:
@@ -195,24 +312,23 @@ class _ProcessGroup(mp.ClusterMembership):
         who = describe_workers([0], names, addresses)
 
         def make_store(is_master: bool, seconds: float) -> Any:
-            raw = TCPStore(
-                host,
-                port,
-                world_size,
-                is_master=is_master,
-                timeout=_timedelta(seconds),
-                wait_for_workers=False,
-            )
+            raw = _tcp_store(host, port, world_size, is_master=is_master, seconds=seconds)
             return PrefixStore(prefix, raw)
 
         try:
             store = make_store(hosts_store, timeout)
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:
             if hosts_store:
+                advice = (
+                    f"Is {host!r} right? Worker 0 must resolve it to one of its addresses "
+                    "(TF_CONFIG's first worker, or MASTER_ADDR)."
+                    if isinstance(e, socket.gaierror)
+                    else "Is the port in use? Give worker 0 a free port (in TF_CONFIG, or "
+                    "MASTER_PORT), or let `polydist launch` pick free ports."
+                )
                 raise errors.UnavailableError(
                     f"Worker 0 ({names[0]}) cannot host the cluster's rendezvous at {address}: "
-                    f"{_first_line(e)}. Is the port in use? Give worker 0 a free port (in "
-                    "TF_CONFIG, or MASTER_PORT), or let `polydist launch` pick free ports."
+                    f"{_first_line(e)}. {advice}"
                 ) from e
             raise errors.DeadlineExceededError(
                 f"Worker {rank} ({names[rank]}) could not reach the cluster's rendezvous at "
@@ -239,13 +355,14 @@ class _ProcessGroup(mp.ClusterMembership):
                 "task index, or raise CommunicationOptions(timeout_seconds=...)."
             ) from e
         try:
-            dist.init_process_group(
-                dist_backend,
-                store=PrefixStore("pg/", store),
-                rank=rank,
-                world_size=world_size,
-                timeout=_timedelta(timeout),
-            )
+            with _without_gloo_connection_lines():
+                dist.init_process_group(
+                    dist_backend,
+                    store=PrefixStore("pg/", store),
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=_timedelta(timeout),
+                )
         except RuntimeError as e:
             raise errors.UnavailableError(
                 f"Worker {rank} could not set up torch.distributed ({dist_backend!r}) with the "

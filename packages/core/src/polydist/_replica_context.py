@@ -127,8 +127,11 @@ class ReplicaContext:
             flat = [_operand(x) for x in flat]
         arrays = [convert_to_array(x) for x in flat]
         check_summable(reduce_op, arrays)
-        with call_options(options):  # its bytes_per_pack packs this nest
+        if options is None:  # the common case: no context manager to enter
             summed = self._channel.all_reduce(reduce_op, arrays)
+        else:
+            with call_options(options):  # its bytes_per_pack packs this nest
+                summed = self._channel.all_reduce(reduce_op, arrays)
         n = self.num_replicas_in_sync
         if reduce_op is ReduceOp.MEAN and n > 1:
             xp = self._strategy.extended._backend.array_namespace()

@@ -443,6 +443,10 @@ class Strategy:
             # TF runs the local reduction on every replica: a plain value counts once each.
             components = [convert_to_array(value)] * self.num_replicas_in_sync
         check_summable(reduce_op, components)  # the local reduce_sum is a SUM too
+        # TF sums each component on its replica's device: place host values (NumPy, or
+        # run results of a function that returned NumPy) there first, so that the
+        # backend's xp.sum gets its own arrays.
+        components = self._extended._place_components(components)
         xp = self._extended._backend.array_namespace()
         axes = _normalize_axis(axis, components[0])
         # dtype=: NumPy and torch widen int32 sums to int64; TF's reduce_sum keeps int32.

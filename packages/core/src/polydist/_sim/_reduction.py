@@ -11,26 +11,58 @@ and several that model what real runtimes do:
     is independent of the replica order *and* of the replica count (splitting a
     value ``v`` into ``v/2 + v/2`` on two replicas gives the same bits), which
     makes it the right reference for ``ReduceOp.SUM``: any real backend's
-    result differs from it only by its own rounding.  Algorithm: widen to
-    float64 (exact for float16/32/64) and accumulate with Knuth's TwoSum, so
-    that ``s + sum(e_i)`` is the exact sum; sum the ``e_i`` with a second
-    TwoSum level into ``E``.  Where that second level made no rounding error
-    the exact sum is the double-double ``s + E`` and ``fl64(s + E)`` is the
-    correctly rounded float64.  For float32/float16, ``t = fl64(s + E)`` is
-    then cast to the target; this double rounding can only be wrong when
-    ``t`` lies exactly on a midpoint between two target values, and there the
-    sign of the residual ``(s + E) - t`` picks the neighbour.  Elements whose
-    second level was inexact, whose float64 accumulation overflowed, or that
-    hold inf/nan (all rare) go through an exact per-element path in Python
-    integers (the values are dyadic rationals).  Non-finite inputs follow
+    result differs from it only by its own rounding.  Algorithm, vectorised
+    over replicas and elements (the N arrays are stacked into one (N, size)
+    matrix; no Python loop runs per replica or per element on the common path):
+
+    1. *One float64 sum, where provably exact.*  Widening to float64 is exact
+       for every float we sum.  Every value of a column (one element across
+       the replicas) is a multiple of the target's ulp ``2**qe`` at the
+       column's smallest nonzero magnitude, and its partial sums stay below
+       ``N * max|x| < 2**(e_hi + ceil(log2 N))``; when that bound is at most
+       ``2**(qe + 53)``, float64 holds every partial sum exactly, in any
+       order.  For float32 inputs that allows a spread of ``29 -
+       ceil(log2 N)`` binades between a column's largest and smallest
+       nonzero exponents (``42 - ceil(log2 N)`` for float16), which ordinary
+       data (gradients, losses) meets.  The test reads the exponents from the
+       bits: the maximum, and the minimum nonzero, of ``|x|`` as unsigned
+       integers, over the whole matrix first and column by column only where
+       that fails.  There the exact sum is ``np.add.reduce`` in float64
+       (started from -0.0, IEEE's additive identity, so that an exact zero
+       keeps IEEE's sign) and one correctly rounded cast.  Columns that fail
+       the test, or hold inf/nan, take the next path; float64 inputs always do.
+    2. *TwoSum double-double.*  Knuth's TwoSum gives ``s`` and errors with
+       ``s + sum(e_i)`` exactly the sum.  The rows are added pairwise, a
+       whole tree level per NumPy call; the N - 1 error rows are summed the
+       same way, and so on (distillation) until every error is zero, which
+       takes two or three levels (errors shrink by ~2**-53 per level and
+       vanish below the inputs' smallest ulp).  Then a few values per
+       element remain whose sum is exact; a TwoSum chain with a second level
+       ``E`` adds them, and where that second level made no rounding error
+       the exact sum is the double-double ``s + E`` and ``fl64(s + E)`` is
+       the correctly rounded float64.  Wide matrices (more than 2**15
+       values) are summed row by row instead (``s`` and ``E`` accumulated
+       over the replicas, each call on a cache-sized row), which is faster
+       there.  For float32/float16, ``t = fl64(s + E)`` is then cast to the
+       target; this double rounding can only be wrong when ``t`` lies
+       exactly on a midpoint between two target values, and there the sign
+       of the residual ``(s + E) - t`` picks the neighbour.
+    3. *Python integers.*  Elements whose errors did not vanish, whose
+       float64 accumulation overflowed, or that hold inf/nan (all rare) go
+       through an exact per-element path in Python integers (the values are
+       dyadic rationals).
+
+    Every path computes the correctly rounded exact sum, so which one decides
+    an element never changes its bits.  Non-finite inputs follow
     IEEE: any nan, or both +inf and -inf, gives nan; else the infinity.  An
     exact zero sum is -0.0 only if every input is -0.0 (as in IEEE addition).
     Complex dtypes reduce their real and imaginary parts separately.
     ml_dtypes' floats (bfloat16, float8_e4m3fn, float8_e5m2, ...) widen to
     float64 exactly too, but their casts from float64 round twice (through
     float32: ``np.float64(1 + 2**-8 + 2**-40).astype(bfloat16)`` is 1.0, not
-    1.0078125), so the sim rounds ``s + E`` to the target's significand
-    itself (ties to even, the residual deciding at a midpoint) and casts
+    1.0078125), so the sim rounds ``s + E`` (on path 1, the exact float64
+    sum) to the target's significand itself (ties to even, the residual
+    deciding at a midpoint) and casts
     only the exactly representable result.  Past the largest finite value
     that cast applies the format's own overflow rule, as one ``np.add`` in
     the dtype would: inf for bfloat16 and float8_e5m2, NaN for the float8
@@ -82,6 +114,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
@@ -221,20 +254,112 @@ def _two_sum(a: _F64, b: _F64) -> tuple[_F64, _F64]:
 
 
 def _exact_float(arrays: Sequence[_Array]) -> _Array:
-    dtype = arrays[0].dtype
-    flat = [np.asarray(a, np.float64).reshape(-1) for a in arrays]
-    s = flat[0].copy()
+    dtype, shape, n = arrays[0].dtype, arrays[0].shape, len(arrays)
+    size = math.prod(shape)
+    x = _scratch("stack", n * size, dtype)
+    if x is None:  # np.array stacks a short list fastest
+        x = np.array(arrays, dtype=dtype)
+    else:
+        np.stack(arrays, out=x.reshape((n, *shape)))
+    x = x.reshape(n, size)
+    if dtype == np.float64:
+        return _sum_double_double(x, dtype).reshape(shape)
+    # Widening to float64 is exact for every float we sum; the reduction
+    # casts in small buffers, so no (N, size) float64 copy is made.
+    s = np.add.reduce(x, axis=0, dtype=np.float64, initial=-0.0)
+    out = _round_exact(s, dtype)
+    slow = _inexact_in_float64(x, dtype)
+    if slow is not None:
+        out[slow] = _sum_double_double(x[:, slow].astype(np.float64), dtype)
+    return out.reshape(shape)
+
+
+# Reused buffers for the (N, size) matrices of _exact_float: fresh ones of a few
+# MB cost more (page faults) than the sums.  Per thread, at most this large each.
+_SCRATCH = threading.local()
+_SCRATCH_MAX_BYTES = 1 << 24
+
+
+def _scratch(name: str, count: int, dtype: np.dtype[Any]) -> _Array | None:
+    """This thread's buffer ``name`` as an uninitialised 1-d array of ``count``
+    ``dtype`` items (it must not outlive the call that asked for it), or None
+    for a size better allocated afresh (small ones come from malloc's free lists)."""
+    nbytes = count * dtype.itemsize
+    if nbytes > _SCRATCH_MAX_BYTES or nbytes < 1 << 16:
+        return None
+    buf: _Array | None = getattr(_SCRATCH, name, None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(nbytes, np.uint8)
+        setattr(_SCRATCH, name, buf)
+    return buf[:nbytes].view(dtype)
+
+
+def _inexact_in_float64(x: _Array, dtype: np.dtype[Any]) -> _Array | None:
+    """Indices of the columns of ``x`` (N, k) whose sum in float64 may be
+    inexact (None if there are none); every other column's is exact, in any order.
+
+    Every value of a column is an integer multiple of ``2**qe``, the target's
+    ulp at the column's smallest nonzero magnitude, and the column's partial
+    sums stay below ``N * max|x| < 2**(e_hi + ceil(log2 N))`` (``2**e_hi``
+    bounds ``max|x|``).  When that is at most ``2**(qe + 53)`` every partial
+    sum is an integer multiple of ``2**qe`` with at most 53 bits, which
+    float64 holds exactly: for float32 (24 bits) a column may span
+    ``29 - ceil(log2 N)`` binades, for float16 ``42 - ceil(log2 N)``.
+    Columns with an inf or nan are never fast.  The whole matrix is tested
+    first (the common case), then column by column.
+    """
+    n = x.shape[0]
+    fi = _finfo(dtype)
+    slack = 52 - int(fi.nmant) - (n - 1).bit_length()
+    if _extension_finfo(dtype) is None:
+        # IEEE float16/float32: the exponent fields of the bits themselves.
+        bits = x.view(np.uint16 if dtype.itemsize == 2 else np.uint32)
+        shift, emin_field = int(fi.nmant), 1
+        emax_field = (1 << (8 * dtype.itemsize - 1 - shift)) - 1
+    else:
+        # ml_dtypes' floats: the exact float64 values, whose exponent field is
+        # frexp's exponent + 1022; the target's subnormals share the ulp of
+        # its smallest normal.
+        bits = x.astype(np.float64).view(np.uint64)
+        shift, emax_field, emin_field = 52, 0x7FF, int(fi.minexp) + 1023
+    # |x| as unsigned integers orders like |x|; (|x| - 1) wraps 0 to the
+    # largest integer, so its minimum + 1 is the smallest nonzero |x| (or 0).
+    top = (1 << (8 * bits.itemsize)) - 1
+    buf = _scratch("bits", bits.size, bits.dtype)
+    a = np.bitwise_and(bits, top >> 1, out=None if buf is None else buf.reshape(bits.shape))
+    hi = int(a.max(initial=0)) >> shift
+    np.subtract(a, 1, out=a)
+    lo = ((int(a.min(initial=top)) + 1) & top) >> shift
+    if hi < emax_field and max(hi, emin_field) - max(lo, emin_field) <= slack:
+        return None
+    col_hi = (np.bitwise_and(bits, top >> 1).max(axis=0) >> shift).astype(np.int64)
+    col_lo = ((a.min(axis=0) + 1) >> shift).astype(np.int64)
+    bad = col_hi >= emax_field
+    bad |= np.maximum(col_hi, emin_field) - np.maximum(col_lo, emin_field) > slack
+    idx = np.flatnonzero(bad)
+    return idx if idx.size else None
+
+
+def _round_exact(s: _F64, dtype: np.dtype[Any]) -> _Array:
+    """Round float64 values (each an exact sum) once, correctly, to ``dtype``."""
+    if _extension_finfo(dtype) is None:
+        return s.astype(dtype)  # one IEEE cast: correctly rounded
+    return _round_to_format(s, None, dtype)
+
+
+def _sum_double_double(w: _F64, dtype: np.dtype[Any]) -> _Array:
+    """The exact sums of the columns of ``w`` (N, k) rounded to ``dtype``, by TwoSum
+    double-double (see the module docs), with the exact fallback where needed."""
+    sums, bad = _distill(w)
+    s = sums[0]
     big_e = np.zeros_like(s)
-    # bad: the second level rounded, or s overflowed, or an input is inf/nan
-    # (all of these leave a nonzero or nan error term).
-    bad = np.zeros(s.shape, np.bool_)
-    for x in flat[1:]:
+    for x in sums[1:]:
         s, e = _two_sum(s, x)
         big_e, f = _two_sum(big_e, e)
         bad |= f != 0
     t, r = _two_sum(s, big_e)
-    # An exact zero: s is -0.0 exactly when every input was -0.0.
-    t = np.where(t == 0, np.where((s == 0) & np.signbit(s), -0.0, 0.0), t)
+    # An exact zero: the first sum is -0.0 exactly when every input was -0.0.
+    t = np.where(t == 0, np.where((sums[0] == 0) & np.signbit(sums[0]), -0.0, 0.0), t)
     if dtype == np.float64:
         out = t
     elif _extension_finfo(dtype) is None:
@@ -243,8 +368,65 @@ def _exact_float(arrays: Sequence[_Array]) -> _Array:
         out = _round_to_format(t, r, dtype)
     idx = np.flatnonzero(bad)
     if idx.size:
-        out[idx] = _exact_fallback(np.stack([x[idx] for x in flat]), dtype)
-    return out.reshape(arrays[0].shape)
+        out[idx] = _exact_fallback(w[:, idx], dtype)
+    return out
+
+
+_DISTILL_LEVELS = 4
+# Past this many values the trees' temporaries leave the cache, and summing row
+# by row (a few calls per replica, each on cache-sized rows) is faster.
+_TREE_MAX_SIZE = 1 << 15
+
+
+def _distill(w: _F64) -> tuple[list[_F64], npt.NDArray[np.bool_]]:
+    """A few rows ``sums`` whose column sums equal those of ``w`` (N, k) exactly,
+    and the columns where that failed (an inf or nan, an overflow, or errors
+    left after ``_DISTILL_LEVELS`` levels).
+
+    Each level sums its rows with a TwoSum tree (:func:`_two_sum_tree`), keeps
+    the sum and passes the N - 1 error rows to the next; the errors shrink by
+    about 2**-53 per level and vanish once below the inputs' smallest ulp, so
+    two or three levels usually leave all of them zero.
+    """
+    if w.size > _TREE_MAX_SIZE:
+        return _distill_rows(w)
+    sums = []
+    rows = w
+    for _ in range(_DISTILL_LEVELS):
+        s, errors = _two_sum_tree(rows)
+        sums.append(s)
+        if not errors:
+            return sums, ~np.isfinite(s)
+        rows = np.concatenate(errors)
+        if not rows.any():  # a nan error (inf/nan input, overflow) counts as nonzero
+            return sums, np.zeros(s.shape, np.bool_)
+    bad = np.asarray(rows.any(axis=0))
+    return sums, bad
+
+
+def _distill_rows(w: _F64) -> tuple[list[_F64], npt.NDArray[np.bool_]]:
+    """:func:`_distill` row by row: ``s`` accumulates the rows with TwoSum, ``E``
+    their errors with a second TwoSum; where that made no error, ``s + E`` is exact."""
+    s = w[0].copy()
+    big_e = np.zeros_like(s)
+    bad = np.zeros(s.shape, np.bool_)
+    for x in w[1:]:
+        s, e = _two_sum(s, x)
+        big_e, f = _two_sum(big_e, e)
+        bad |= f != 0
+    return [s, big_e], bad
+
+
+def _two_sum_tree(w: _F64) -> tuple[_F64, list[_F64]]:
+    """Sum the rows of ``w`` (N, k) pairwise with TwoSum, all pairs of a level at
+    once: ``s`` (k,) and the levels' error rows, with ``s + sum(errors)`` exact."""
+    errors = []
+    while w.shape[0] > 1:
+        half = w.shape[0] // 2
+        s, e = _two_sum(w[:half], w[half : 2 * half])
+        errors.append(e)
+        w = np.concatenate([s, w[2 * half :]]) if w.shape[0] % 2 else s
+    return w[0], errors
 
 
 def _narrow(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
@@ -264,7 +446,7 @@ def _narrow(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
     return y
 
 
-def _round_to_format(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
+def _round_to_format(t: _F64, r: _F64 | None, dtype: np.dtype[Any]) -> _Array:
     """``_narrow`` for ml_dtypes' floats, whose casts from float64 round twice
     (through float32): round ``t + r`` to the target's significand here, then
     cast the result, which the target holds exactly unless it is past the
@@ -276,8 +458,9 @@ def _round_to_format(t: _F64, r: _F64, dtype: np.dtype[Any]) -> _Array:
     k = np.ldexp(t, -qe)  # t in target ulps: exact, and at most 2**(nmant + 1)
     m = np.rint(k)  # ties to even
     # On a midpoint of t the residual r says on which side the exact value lies.
-    mid = (np.abs(k - np.trunc(k)) == 0.5) & (r != 0)
-    m = np.where(mid, np.where(r > 0, np.ceil(k), np.floor(k)), m)
+    if r is not None:  # None: t is exact
+        mid = (np.abs(k - np.trunc(k)) == 0.5) & (r != 0)
+        m = np.where(mid, np.where(r > 0, np.ceil(k), np.floor(k)), m)
     y: _Array = np.ldexp(m, qe).astype(dtype)
     return y
 
