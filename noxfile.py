@@ -119,8 +119,15 @@ def bench(session: nox.Session, backend: str) -> None:
         if Path("benchmarks/bench_input.py").exists():
             session.run("python", "benchmarks/bench_input.py")
     elif backend == "jax":
-        session.install("jax>=0.10", CORE, SIM, JAX)
-        session.run("python", "benchmarks/bench_jax.py", *session.posargs, env=XLA_8)
+        # keras: Keras 3 DataParallel beside polydist in bench_jax.py (a benchmark-only
+        # dependency, never the packages').
+        session.install("jax>=0.10", "keras>=3.8", CORE, SIM, JAX)
+        session.run(
+            "python",
+            "benchmarks/bench_jax.py",
+            *session.posargs,
+            env={**XLA_8, "KERAS_BACKEND": "jax"},
+        )
         session.run("python", "benchmarks/bench_input.py", "--backend", "jax", env=XLA_8)
         session.run("python", "benchmarks/bench_multiworker.py", "--engine", "jax")
     else:

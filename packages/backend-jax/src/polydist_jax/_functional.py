@@ -38,6 +38,7 @@ distributed variable's copies are shown in two *views*:
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -456,25 +457,62 @@ class InputCache:
     """The global input array of each variable, reused while its copies are unchanged.
 
     After a run the new copies are the shards of the program's output, so the
-    next step's input is that output array again: no reassembly.
+    next step's input is that output array again: no reassembly. Each entry also
+    remembers how many references its copies had when they were stored (``owned``:
+    the program's fresh outputs, which nobody else can hold yet), so that a later
+    call can tell whether someone else took a reference since (`exclusive`).
     """
 
     def __init__(self) -> None:
-        self._cache: weakref.WeakKeyDictionary[Variable, tuple[tuple[Any, ...], Any]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._cache: weakref.WeakKeyDictionary[
+            Variable, tuple[tuple[Any, ...], Any, tuple[int, ...] | None]
+        ] = weakref.WeakKeyDictionary()
 
     def get(self, var: Variable, arrays: Sequence[Any]) -> Any:
         hit = self._cache.get(var)
         if hit is None:
             return None
-        held, global_array = hit
+        held, global_array, _ = hit
         if len(held) != len(arrays) or any(a is not b for a, b in zip(held, arrays, strict=True)):
             return None
         return global_array
 
     def put(self, var: Variable, arrays: Sequence[Any], global_array: Any) -> None:
-        self._cache[var] = (tuple(arrays), global_array)
+        self._cache[var] = (tuple(arrays), global_array, None)
+
+    def seal(self, var: Variable) -> None:
+        """Records the references ``var``'s copies have now, as the ones of a copy only
+        the runner holds: call it right after storing a program's fresh outputs, once
+        the caller's own references to them are gone."""
+        hit = self._cache.get(var)
+        if hit is not None:
+            self._cache[var] = (hit[0], hit[1], _refcounts(storage_arrays(var)))
+
+    def exclusive(self, var: Variable) -> bool:
+        """Whether only the variable and this cache hold ``var``'s stored copies (no
+        array a user took from it, no other variable storing the same array)."""
+        hit = self._cache.get(var)
+        if hit is None:
+            return False
+        held, _, baseline = hit
+        arrays = storage_arrays(var)
+        if len(held) != len(arrays) or any(a is not b for a, b in zip(held, arrays, strict=True)):
+            return False
+        counts = _refcounts(arrays)
+        if baseline is None:
+            # Stored by someone else (creation, an assign outside run): each copy held by
+            # its component, this cache's key and ``arrays`` only. A copy stored by
+            # several components counts once per component: more than expected, not ours.
+            return all(c <= _ALONE + 2 for c in counts)
+        return all(c <= b for c, b in zip(counts, baseline, strict=True))
 
     def clear(self) -> None:
         self._cache.clear()
+
+
+def _refcounts(arrays: list[Any]) -> tuple[int, ...]:
+    return tuple(sys.getrefcount(a) for a in arrays)
+
+
+#: What `_refcounts` gives for an object held by its list alone.
+_ALONE = _refcounts([object()])[0]

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from polydist_jax._spmd import _Mesh
 
-__all__ = ["Aval", "global_array", "joined", "place_per_replica", "run_input"]
+__all__ = ["Aval", "global_array", "joined", "place_per_replica", "register", "run_input"]
 
 #: A per-replica leaf's signature, as ``polydist_jax._spmd`` keys programs: the
 #: component's shape, and its dtype with JAX's weak-type flag.
@@ -88,7 +88,7 @@ def place_per_replica(
         components = [on_device(v, d) for v, d in zip(values, mesh.devices, strict=True)]
     # The registered global array gets its own per-device objects over the same
     # buffers: it must not keep the components alive (the registry's weak references).
-    _register(components, mesh.assemble(components), mesh.split)
+    register(components, mesh.assemble(components), mesh.split)
     return components
 
 
@@ -134,7 +134,7 @@ def _joinable(values: Sequence[Any], devices: tuple[str, ...]) -> bool:
     return all(v.shape == shape and v.dtype == dtype for v in values[1:])
 
 
-def _register(components: list[Any], array: jax.Array, split: NamedSharding) -> None:
+def register(components: list[Any], array: jax.Array, split: NamedSharding) -> None:
     key = id(components[0])
 
     def drop(ref: weakref.ref[Any]) -> None:

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from polydist import _communication, _context, _nest, _trace, _variables
@@ -77,6 +78,13 @@ __all__ = ["CompiledRunner", "Uneven"]
 
 #: Compiled programs kept per strategy (least recently used ones are dropped).
 CACHE_SIZE = 256
+
+#: The divergence warning's check (`_DivergenceChecks`) of the NONE variables a program
+#: writes in replica context: its first calls hash their copies and read the hashes at
+#: once (waiting for the step); later, one call in `CHECK_EVERY` hashes them, read
+#: once that step has finished.
+CHECK_AT_ONCE = 4
+CHECK_EVERY = 16
 
 _REPLICA, _SHARED, _STATIC, _VARIABLE = "replica", "shared", "static", "variable"
 # A zero-size array input: made inside the program (it holds no data). As a program
@@ -411,6 +419,12 @@ class _Program:
     signs: tuple[Any, ...] = ()
     # One device, one process: rank-0 results come out of the program rank 0.
     squeezed: bool = False
+    # The program as run in one process outside JAX transformations (`_local_call`):
+    # built once from the first trace, donating the written variables' input arrays.
+    local: Any = None
+    donated: tuple[int, ...] = ()  # input positions donated (written variables)
+    counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # split, replicated, updated, checks
+    calls: int = 0  # calls so far (which ones check divergence: `CompiledRunner._checks`)
 
 
 class _Call(threading.local):
@@ -418,6 +432,7 @@ class _Call(threading.local):
 
     def __init__(self) -> None:
         self.variables: list[Variable] = []
+        self.check = True  # whether the call hashes its NONE variables (`_checks`)
 
 
 _call = _Call()
@@ -697,6 +712,10 @@ class ProcessGroup(Protocol):
 _CPU_STEPS_IN_FLIGHT = 2
 
 
+def _throttled(mesh: _Mesh) -> bool:
+    return len(mesh.devices) >= 2 and mesh.devices[0].platform == "cpu"
+
+
 class CompiledRunner:
     """``run_replicas`` for the jax backend: caches and runs compiled programs.
 
@@ -720,6 +739,10 @@ class CompiledRunner:
         ] = weakref.WeakKeyDictionary()
         self._variable_inputs = _functional.InputCache()
         self._in_flight: collections.deque[Any] = collections.deque()
+        self._divergence = _DivergenceChecks()
+        self._flags: dict[tuple[int, bool], tuple[_Mesh, Any]] = {}
+        # id(shared input) -> (its weak reference, mesh, its replicated copy or None: itself)
+        self._placed: dict[int, tuple[weakref.ref[Any], _Mesh, Any]] = {}
 
     def cache_size(self, extended: StrategyExtended | None = None) -> int:
         with self._lock:
@@ -753,9 +776,16 @@ class CompiledRunner:
             prepared = self._prepare_across(group, extended, fn, per_replica_args)
         program, inputs, columns, mesh, traced = prepared
         call_variables = _call.variables
+        checked = _call.check
+        first_calls = program.calls < CHECK_AT_ONCE
+        program.calls += 1
+        self._divergence.poll()  # earlier steps' checks that have finished (no wait)
         try:
             if group is None:
-                outputs = program.jitted(*inputs)
+                if traced or program.created or any(is_tracer(x) for x in inputs):
+                    outputs = program.jitted(*inputs)
+                else:
+                    outputs = self._local_call(program, inputs, len(call_variables))
                 self._throttle(mesh, outputs)
             else:
                 # Compiled ahead (outside the cluster's bound: a compile is no hang),
@@ -775,8 +805,50 @@ class CompiledRunner:
         if _trace.is_tracing():
             _replay(program.events)
         self._write_back(program, variables, updated, mesh, traced)
-        _mark_diverged(program, variables, fingerprints, mesh)
+        if fingerprints and checked and program.dirty and not is_tracer(fingerprints[0]):
+            dirty = [variables[p] for p in program.dirty]
+            if not all(getattr(v, "_divergence_warned", False) for v in dirty):
+                # A program's first calls are checked at once; later ones without
+                # waiting for the step (`_DivergenceChecks`).
+                self._divergence.add(dirty, fingerprints[0], mesh, wait=first_calls)
         return self._results(program, columns, split, replicated, mesh, traced, variables)
+
+    def _local_call(self, program: _Program, inputs: list[Any], n_variables: int) -> Any:
+        """Runs ``program`` in this process outside JAX transformations, donating the
+        input arrays of the variables it writes.
+
+        The first call traces the program (once, as ``jitted`` would) and builds, from
+        its jaxpr, the same program with those inputs donated: XLA writes the new
+        copies over the old ones, so a step holds one copy of its variables, not two.
+        A variable's input array shares its buffers with the variable's stored copies;
+        where any other Python reference to them exists (an array a user still holds
+        from ``v.value()``, or another variable storing the same array), that input is
+        copied first and the copy donated, so nothing a user holds is invalidated.
+        (NumPy views of the buffers, ``np.asarray(v.value())`` on CPU, make XLA skip
+        the donation itself.)
+        """
+        if program.local is None:
+            with _spmd_note():
+                stage = program.jitted.trace(*inputs)
+            first = len(inputs) - 1 - n_variables  # the inputs, the variables, the flag
+            program.donated = tuple(
+                first + p
+                for p, _ in program.updates
+                if p < n_variables and isinstance(_call.variables[p], DistributedVariable)
+            )
+            program.counts = tuple(  # type: ignore[assignment]
+                len(part) for part in stage.out_info
+            )
+            program.local = jax.jit(
+                jaxpr_as_fun(stage.jaxpr), donate_argnums=program.donated, keep_unused=True
+            )
+        first = len(inputs) - 1 - n_variables
+        for i in program.donated:
+            if not self._variable_inputs.exclusive(_call.variables[i - first]):
+                inputs[i] = _copy(inputs[i])
+        flat = program.local(*inputs)
+        a, b, c, _ = program.counts
+        return flat[:a], flat[a : a + b], flat[a + b : a + b + c], flat[a + b + c :]
 
     def _throttle(self, mesh: _Mesh, outputs: Any) -> None:
         """On XLA:CPU, waits for the step before last before returning.
@@ -787,9 +859,11 @@ class CompiledRunner:
         the process after 40 s ("only 7 of them arrived"; plain jit(shard_map(psum))
         does the same). Two steps in flight keep dispatch ahead of compute.
         """
-        if len(mesh.devices) < 2 or mesh.devices[0].platform != "cpu":
+        if not _throttled(mesh):
             return
-        leaves = jax.tree.leaves(outputs)
+        split, replicated, updated, checks = outputs
+        # Not an updated variable's array: the next step may donate it.
+        leaves = split or replicated or checks or updated
         if not leaves:
             return
         with self._lock:
@@ -877,13 +951,33 @@ class CompiledRunner:
         key = (fn, spec, tuple(leaf.key() for leaf in leaves), var_keys, x64_enabled())
         program = self._program(extended, key, fn, leaves, mesh, spec, variables)
         _call.variables = variables  # what a trace of this call functionalizes
-        return program, inputs + var_inputs, columns, mesh, traced
+        _call.check = self._checks(program, mesh)
+        flag = self._check_flag(mesh, _call.check)
+        return program, [*inputs, *var_inputs, flag], columns, mesh, traced
+
+    def _checks(self, program: _Program, mesh: _Mesh) -> bool:
+        """Whether this call of ``program`` hashes its NONE variables' copies: its first
+        `CHECK_AT_ONCE` calls, then one in `CHECK_EVERY` (every call across processes)."""
+        calls = program.calls
+        return mesh.spans_processes or calls < CHECK_AT_ONCE or calls % CHECK_EVERY == 0
+
+    def _check_flag(self, mesh: _Mesh, check: bool) -> Any:
+        key = (id(mesh), check)
+        hit = self._flags.get(key)
+        if hit is not None and hit[0] is mesh:
+            return hit[1]
+        with jax.ensure_compile_time_eval():
+            flag = mesh.replicate(np.bool_(check))
+        self._flags[key] = (mesh, flag)  # the mesh kept: its id is not reused
+        return flag
 
     def _variable_input_arrays(
         self, variables: list[Variable], mesh: _Mesh
     ) -> tuple[list[Any], tuple[Any, ...]]:
         """Each variable's copies as one global array (sharded; plain: replicated), and the
         cache-key part: which variables, their shapes and dtypes (never their values)."""
+        if not variables:
+            return [], ()
         # Inside an outer jax.jit the reshapes below must still run now, on concrete arrays.
         with jax.ensure_compile_time_eval():
             return self._assemble_variable_inputs(variables, mesh)
@@ -942,6 +1036,15 @@ class CompiledRunner:
                 "variables in runs called outside JAX transformations, or return the new "
                 "values from fn instead."
             )
+        self._store(program, variables, updated, mesh)
+        # Counted once this call's own references to the new copies are gone (`_store`
+        # returned): references beyond these are someone else's (`_local_call`).
+        for position, _ in program.updates:
+            self._variable_inputs.seal(variables[position])
+
+    def _store(
+        self, program: _Program, variables: list[Variable], updated: list[Any], mesh: _Mesh
+    ) -> None:
         parts = [_shards(g, mesh) for g in updated]
         scalars = [i for i, (_, scalar) in enumerate(program.updates) if scalar]
         if scalars:
@@ -961,6 +1064,7 @@ class CompiledRunner:
         inputs: list[Any] = []
         traced = False
         units: list[tuple[int, list[Any]]] = []  # rank-0 jax components to reshape to [1]
+        in_place: set[int] = set()  # inputs whose components are the caller's own arrays
         for column in columns:
             first = column[0]
             if all(
@@ -1002,10 +1106,8 @@ class CompiledRunner:
                 if is_tracer(first):
                     traced = True
                     inputs.append(first)
-                elif isinstance(first, jax.Array) and first.sharding == mesh.replicated:
-                    inputs.append(first)
                 else:
-                    value = mesh.replicate(first)
+                    value = self._replicated(first, mesh)
                     shape, dtype = _aval(value)
                     inputs.append(value)
                 leaves.append(_Leaf(_SHARED, shape=shape, dtype=dtype))
@@ -1034,6 +1136,8 @@ class CompiledRunner:
             else:
                 if not shape:
                     units.append((len(inputs), components))
+                elif all(c is v for c, v in zip(components, column, strict=True)):
+                    in_place.add(len(inputs))
                 inputs.append(components)
         if units:
             reshaped = _per_device(_to_unit, [c for _, c in units])
@@ -1042,7 +1146,32 @@ class CompiledRunner:
         for i, value in enumerate(inputs):
             if isinstance(value, list):
                 inputs[i] = mesh.assemble(value)
+                if i in in_place:
+                    # The caller's own arrays, already in place: the same components
+                    # next step (a PerReplica reused) find this array by identity.
+                    _input.register(value, inputs[i], mesh.split)
         return leaves, inputs, traced
+
+    def _replicated(self, value: Any, mesh: _Mesh) -> Any:
+        """A shared input as the program takes it (a copy on each replica's device),
+        remembered by identity for a ``jax.Array`` (immutable) while it lives: a
+        value passed again each step is placed once."""
+        if not isinstance(value, jax.Array):
+            return mesh.replicate(value)
+        key = id(value)
+        hit = self._placed.get(key)
+        if hit is not None and hit[0]() is value and hit[1] is mesh:
+            return value if hit[2] is None else hit[2]
+        placed = value if value.sharding == mesh.replicated else mesh.replicate(value)
+        placed_self = placed is value
+
+        def drop(ref: weakref.ref[Any], key: int = key) -> None:
+            entry = self._placed.get(key)
+            if entry is not None and entry[0] is ref:
+                del self._placed[key]
+
+        self._placed[key] = (weakref.ref(value, drop), mesh, None if placed_self else placed)
+        return placed
 
     @staticmethod
     def _component(value: Any, r: int, mesh: _Mesh) -> Any:
@@ -1117,13 +1246,15 @@ class CompiledRunner:
         # The variables' copies follow the other inputs: split (one copy per replica), or
         # replicated for a plain variable (one copy, read-only).
         in_specs += tuple(split_spec if d else pspec() for d in distributed)
+        in_specs += (pspec(),)  # the divergence check's flag (`_check_flag`), last
 
         def body(*blocks: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
             self.compile_count += 1
             program.traces += 1
             variables = _call.variables
             var_blocks = []
-            for var, block in zip(variables, blocks[len(dynamic) :], strict=True):
+            check = blocks[-1]
+            for var, block in zip(variables, blocks[len(dynamic) : -1], strict=True):
                 if isinstance(var, DistributedVariable) and not var.shape:
                     block = jnp.reshape(block, ())  # rank-0 copies travel as shape [1]
                 block = vary(block)  # as shared inputs
@@ -1169,9 +1300,10 @@ class CompiledRunner:
             program.created = traced_vars.created
             variables = traced_vars.variables()
             program.updates = [(i, not variables[i].shape) for i, _ in updates]
-            program.dirty = traced_vars.dirty
+            # One replica in all: its one copy cannot diverge (nothing to hash).
+            program.dirty = traced_vars.dirty if mesh.replicas > 1 else []
             new_values = [jnp.reshape(v, (1,)) if not variables[i].shape else v for i, v in updates]
-            fingerprints = [_functional.fingerprint(traced_vars.final[i]) for i in program.dirty]
+            finals = [traced_vars.final[i] for i in program.dirty]
             positions = {id(v): i for i, v in enumerate(variables)}
             flat, program.out_spec = _nest.flatten(result)
             outputs: list[_Output] = []
@@ -1215,7 +1347,21 @@ class CompiledRunner:
                         outputs.append(_Output("replicated", len(replicated), common=common))
                         replicated.append(leaf_value)
             program.outputs = outputs
-            checks = [jnp.reshape(jnp.stack(fingerprints), (1, -1))] if fingerprints else []
+            checks = []
+            if finals:
+                # Hashed only in the steps that check (`_check_flag`): the hashes cost
+                # device time the size of the variables.
+                def hashes() -> Any:
+                    fingerprints = [_functional.fingerprint(x) for x in finals]
+                    return jnp.reshape(jnp.stack(fingerprints), (1, -1))
+
+                def skipped() -> Any:
+                    return vary(jnp.zeros((1, 2 * len(finals)), jnp.uint32))
+
+                checks = [lax.cond(check, hashes, skipped)]
+            if not (split or replicated or checks) and new_values and _throttled(mesh):
+                # Something for `_throttle` to wait on that is not donated next step.
+                checks = [jnp.zeros((1, 1), jnp.uint32)]
             return split, replicated, new_values, checks
 
         def scoped(*blocks: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
@@ -1296,18 +1442,55 @@ class CompiledRunner:
         return results
 
 
-def _mark_diverged(
-    program: _Program, variables: list[Variable], fingerprints: list[Any], mesh: _Mesh
-) -> None:
-    """Hands core's divergence check (after the call) the NONE variables this call wrote
+class _DivergenceChecks:
+    """The NONE-aggregation divergence check (core's ``ReplicaDivergenceWarning``)
+    without a host round trip per step.
+
+    A program that writes NONE variables in replica context returns a fingerprint of
+    each one's copies (`_functional.fingerprint`), one row per replica, hashed on the
+    device in the calls that check (`CompiledRunner._checks`). A program's first
+    `CHECK_AT_ONCE` calls read them at once (waiting for the step), so a step that
+    diverges the copies early warns in that very call. Later checks are queued: each
+    ``run`` reads the queued fingerprints whose step has finished (``is_ready``, no
+    wait) and waits only when more than ``limit`` are unread. A divergence is reported
+    by the run that reads it (core then compares the copies as they are by then).
+    """
+
+    def __init__(self, limit: int = 8) -> None:
+        self.limit = limit
+        self._queue: collections.deque[tuple[list[Variable], Any, _Mesh]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def add(self, dirty: list[Variable], found: Any, mesh: _Mesh, *, wait: bool) -> None:
+        if wait:
+            _mark_diverged(dirty, found, mesh)
+            return
+        with self._lock:
+            self._queue.append((dirty, found, mesh))
+        self.poll()
+
+    def poll(self, *, wait: bool = False) -> None:
+        """Reads every queued fingerprint whose step has finished (all of them, waiting,
+        with ``wait``; the oldest ones, waiting, past ``limit``)."""
+        if not self._queue:
+            return
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                dirty, found, mesh = self._queue[0]
+                if not (wait or len(self._queue) > self.limit or found.is_ready()):
+                    return
+                self._queue.popleft()
+            _mark_diverged(dirty, found, mesh)
+
+
+def _mark_diverged(dirty: list[Variable], found: Any, mesh: _Mesh) -> None:
+    """Hands core's divergence check (after the call) the NONE variables a call wrote
     whose copies' fingerprints differ; one small transfer, none once all have warned."""
-    if not fingerprints or is_tracer(fingerprints[0]):
-        return
-    dirty = [variables[p] for p in program.dirty]
     if all(getattr(v, "_divergence_warned", False) for v in dirty):
         return
     # One row of fingerprints per replica (this process's: its copies are the variable's).
-    found = fingerprints[0]
     rows = (
         np.concatenate([np.asarray(part) for part in _shards(found, mesh)])
         if mesh.spans_processes
@@ -1317,6 +1500,11 @@ def _mark_diverged(
     for j, var in enumerate(dirty):
         if not (columns[:, j] == columns[0, j]).all():
             _variables._note_replica_write(var)  # type: ignore[arg-type]
+
+
+def _copy(x: Any) -> Any:
+    """A copy of ``x`` with its sharding (a new buffer, safe to donate)."""
+    return jnp.array(x, copy=True)
 
 
 def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
