@@ -131,8 +131,12 @@ def bench(session: nox.Session, backend: str) -> None:
         session.run("python", "benchmarks/bench_input.py", "--backend", "jax", env=XLA_8)
         session.run("python", "benchmarks/bench_multiworker.py", "--engine", "jax")
     else:
-        session.install(TORCH_PIN, CORE, SIM, TORCH)
+        # lightning, accelerate: Fabric and Accelerate beside polydist in
+        # bench_peers_torch.py (benchmark-only dependencies, never the packages'; in the
+        # same pip call as TORCH_PIN, so they cannot replace that torch).
+        session.install(TORCH_PIN, "lightning>=2.5", "accelerate>=1.0", CORE, SIM, TORCH)
         session.run("python", "benchmarks/bench_torch.py", *session.posargs)
+        session.run("python", "benchmarks/bench_peers_torch.py")
         session.run("python", "benchmarks/bench_multiworker.py", "--engine", "torch")
 
 

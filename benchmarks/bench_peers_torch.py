@@ -1,0 +1,285 @@
+"""polydist's torch backend beside Lightning Fabric, Hugging Face Accelerate and
+hand-written PyTorch, training the same MLP in the same run.
+
+Workload (the MLP of the issue's peer comparison): 512 -> 512 -> 512 -> 1, ReLU,
+biases, float32, mean squared error, SGD (lr 0.01), batch 1024, CPU, one replica
+per process. Contestants, each with its own copy of the same initial model,
+interleaved round by round (rotating which goes first; the machine may be shared,
+so load hits all alike):
+
+* ``hand``: plain PyTorch: forward, ``loss.backward()``, ``optimizer.step()``,
+  ``optimizer.zero_grad()``;
+* ``polydist``: ``polydist_torch.distribute_module`` + ``distribute_optimizer``
+  under ``pd.MirroredStrategy(["/cpu:0"], backend="torch")``, the step inside
+  ``strategy.run`` and the loss through ``strategy.reduce``, as docs/frameworks/torch.md
+  does it;
+* ``fabric``: ``lightning.fabric.Fabric(accelerator="cpu", devices=1)``,
+  ``fabric.setup(model, optimizer)``, ``fabric.backward(loss)``;
+* ``accelerate``: ``accelerate.Accelerator(cpu=True)``,
+  ``accelerator.prepare(model, optimizer)``, ``accelerator.backward(loss)``.
+
+Fabric and Accelerate are optional (benchmark-only dependencies, never the
+packages'): a missing one is skipped and said so; ``nox -s bench-torch`` installs
+both. Each ratio is the median over rounds of (a's step / b's step in the same
+round). After the timed rounds every contestant has made the same steps from the
+same start, so their weights are checked to agree. Writes
+``benchmarks/results/torch-peers-cpu.json`` (without torch and polydist-torch it
+only says so and exits 0). No timing is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, write_results
+
+import polydist as pd
+
+try:
+    import torch
+    from torch import nn
+
+    import polydist_torch
+except ImportError as e:  # `polydist bench` runs every script: say why, do not fail
+    print(f"bench_peers_torch.py: skipped, {e.name} is not installed (pip install polydist-torch)")
+    raise SystemExit(0) from None
+
+FEATURES = HIDDEN = 512
+GLOBAL_BATCH = 1024
+LR = 0.01
+STEP_TARGET = 1.10  # polydist's step / the hand-written step, as in bench_torch.py
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(FEATURES, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, 1),
+    )
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).sum() / GLOBAL_BATCH
+
+
+Step = Callable[[], torch.Tensor]
+
+
+def hand_contestant(base: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Step, nn.Module]:
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step() -> torch.Tensor:
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step, model
+
+
+def polydist_contestant(
+    base: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Step, nn.Module]:
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend="torch")
+    with strategy.scope():
+        model = polydist_torch.distribute_module(copy.deepcopy(base))
+        opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()  # sums the gradients across replicas (here one), then steps
+        opt.zero_grad()
+        return loss.detach()
+
+    def step() -> torch.Tensor:
+        per_replica = strategy.run(train_step, args=(x, y))
+        return strategy.reduce("SUM", per_replica, axis=None)  # type: ignore[no-any-return]
+
+    return step, model
+
+
+def fabric_contestant(
+    base: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Step, nn.Module] | None:
+    try:
+        from lightning.fabric import Fabric  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        try:
+            from lightning_fabric import Fabric  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            return None
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = copy.deepcopy(base)
+    wrapped, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+
+    def step() -> torch.Tensor:
+        loss = mse(wrapped(x), y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step, model
+
+
+def accelerate_contestant(
+    base: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Step, nn.Module] | None:
+    try:
+        from accelerate import Accelerator  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    accelerator = Accelerator(cpu=True)
+    model = copy.deepcopy(base)
+    wrapped, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+
+    def step() -> torch.Tensor:
+        loss = mse(wrapped(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step, model
+
+
+def interleaved(fns: dict[str, Step], rounds: int) -> dict[str, list[float]]:
+    """Wall times of each function, calling them in turn each round (rotating which
+    goes first), so that load from other processes hits all alike."""
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            start = time.perf_counter()
+            fns[name]()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def paired_ratio(ta: list[float], tb: list[float]) -> float:
+    """Median over rounds of a's time / b's time in the same round."""
+    return statistics.median(a / b for a, b in zip(ta, tb, strict=True))
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except ImportError:
+        return None
+    return str(mod.__version__)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=500)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
+    )
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    base = make_model()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(GLOBAL_BATCH, FEATURES, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 1, generator=g)
+
+    contestants: dict[str, tuple[Step, nn.Module]] = {
+        "hand": hand_contestant(base, x, y),
+        "polydist": polydist_contestant(base, x, y),
+    }
+    skipped: list[str] = []
+    for name, make in (("fabric", fabric_contestant), ("accelerate", accelerate_contestant)):
+        made = make(base, x, y)
+        if made is None:
+            skipped.append(name)
+            print(f"{name}: not installed, skipped (nox -s bench-torch installs it)")
+        else:
+            contestants[name] = made
+    fns = {name: c[0] for name, c in contestants.items()}
+    for _ in range(args.warmup):
+        for fn in fns.values():
+            fn()
+    times = interleaved(fns, args.rounds)
+
+    # Every contestant made the same steps from the same start: the same weights.
+    reference = [p.detach() for p in contestants["hand"][1].parameters()]
+    for name, (_, model) in contestants.items():
+        params = [p.detach() for p in model.parameters()]
+        assert len(params) == len(reference), name
+        for p, r in zip(params, reference, strict=True):
+            torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-6, msg=f"{name} diverged")
+
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    to_hand = {n: paired_ratio(t, times["hand"]) for n, t in times.items() if n != "hand"}
+    to_peers = {
+        f"polydist_vs_{peer}": paired_ratio(times["polydist"], times[peer])
+        for peer in ("fabric", "accelerate")
+        if peer in times
+    }
+    for name in fns:
+        extra = f"  x{to_hand[name]:.3f} of hand-written" if name in to_hand else ""
+        print(f"1 x CPU: MLP step  {name:10s} {medians[name] * 1e3:7.2f} ms{extra}")
+    for name, ratio in to_peers.items():
+        print(f"{name}: x{ratio:.3f}")
+
+    device = "1 x CPU"
+    ratios: list[dict[str, Any]] = []
+    for name, ratio in to_hand.items():
+        row: dict[str, Any] = {
+            "case": f"MLP 512 step, {name} / hand-written PyTorch",
+            "device": device,
+            "ratio": ratio,
+        }
+        if name == "polydist":
+            row["target"] = f"<= {STEP_TARGET}"
+            row["met"] = bool(ratio <= STEP_TARGET)
+        ratios.append(row)
+    for name, ratio in to_peers.items():
+        ratios.append(
+            {
+                "case": f"MLP 512 step, {name.replace('_vs_', ' / ')}",
+                "device": device,
+                "ratio": ratio,
+                "target": "<= 1.0",
+                "met": bool(ratio <= 1.0),
+            }
+        )
+    payload = {
+        "benchmark": "MLP training step (512 -> 512 -> 512 -> 1, batch 1024, SGD, float32, "
+        "1 CPU replica): polydist's torch backend (distribute_module + distribute_optimizer "
+        "in strategy.run) beside Lightning Fabric, Hugging Face Accelerate and hand-written "
+        "PyTorch, interleaved in one run; ratio: median over rounds of a's step / b's step",
+        "device": "cpu",
+        "torch": torch.__version__,
+        "lightning": _version("lightning") or _version("lightning_fabric"),
+        "accelerate": _version("accelerate"),
+        "skipped": skipped,
+        "median_s": medians,
+        "rounds": args.rounds,
+        "machine": machine() | {"torch_threads": torch.get_num_threads()},
+        "ratios": ratios,
+    }
+    path = write_results("torch-peers-cpu", payload)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
