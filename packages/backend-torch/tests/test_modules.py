@@ -273,6 +273,29 @@ def test_scheduler_and_clipping_reach_every_replica() -> None:
         torch.testing.assert_close(p.detach(), q, rtol=RTOL, atol=ATOL)
 
 
+def test_one_replica_steps_without_a_collective() -> None:
+    """At one replica in sync the gradients' sum is the gradients themselves: step() issues
+    no all_reduce (issue 20: it copied every gradient in and out, about 5% of an MLP step)."""
+    strategy = cpu_strategy(1)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+        opt = polydist_torch.distribute_optimizer(OPTIMIZERS["adam"](model.parameters()))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = per_example_loss(model, x, y).sum() / x.shape[0]  # one replica: the whole batch
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    with pd.trace() as t:
+        for x, y in strategy.experimental_distribute_dataset(make_loader()):
+            strategy.run(step, args=(x, y))
+    assert [e.op for e in t.events] == []
+    expected = reference_training("adam")
+    for p, q in zip(model.parameters(), expected):
+        assert torch.equal(p.detach(), q)  # the same arithmetic as plain torch
+
+
 def test_missing_gradients_count_as_zero_and_none_everywhere_is_skipped() -> None:
     strategy = cpu_strategy(2)
     with strategy.scope():

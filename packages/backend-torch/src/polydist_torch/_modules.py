@@ -639,7 +639,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ctx = pd.get_replica_context()
         assert ctx is not None
         params = self._params(r)
-        if not params:
+        if not params or ctx.num_replicas_in_sync == 1:
+            # One replica in sync: the sum is its own gradients, so nothing is copied.
             self._reduced[r] = True
             return
         has_grad = torch.tensor(
