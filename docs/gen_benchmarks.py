@@ -53,11 +53,11 @@ timings of a 1-2 ms step varied by up to 30% between runs of the same code.
 512 -> 512 -> 1, batch 1024, SGD, 1 CPU replica) with polydist's torch backend
 (`distribute_module` + `distribute_optimizer` in `strategy.run`), Lightning
 Fabric, Hugging Face Accelerate and plain PyTorch, interleaved in one run. On
-the 2-core machine of the table, at about 18 ms a step, polydist was 1.05x the
-hand-written step, Fabric 1.01x and Accelerate 1.03x: polydist was about 1 ms a
-step (2-4%) **behind** both peers, which wrap far less (no replica context, no
-cross-replica gradient sum). Differences of a few percent are within this
-shared machine's noise.
+the 2-core machine of the table, at about 17 ms a step, polydist is 1.02x the
+hand-written step, Fabric 1.01x and Accelerate 1.03x: level with Accelerate and
+about 2% **behind** Fabric (the first run, before `step()` stopped summing the
+gradients of a single replica, had polydist at 1.05x). Differences of a few
+percent are within this shared machine's noise.
 """
 
 
