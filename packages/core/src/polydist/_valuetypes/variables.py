@@ -276,6 +276,35 @@ def swap_storage(variable: Variable, arrays: Sequence[Any]) -> list[Any]:
     return old
 
 
+def components(variable: Variable) -> tuple[Variable, ...]:
+    """The per-replica components of ``variable`` in replica order (itself, if plain)."""
+    return _components(variable)
+
+
+def current_update_replica() -> int | None:
+    """The replica whose copies ``StrategyExtended.update``/``update_non_slot`` is
+    updating now (TF's ``UpdateContext``); ``None`` outside such an update."""
+    return _UPDATE_REPLICA.get()
+
+
+def replica_writes(extended: StrategyExtended) -> frozenset[int]:
+    """The ``id`` of each NONE-aggregated ``MirroredVariable`` of ``extended``'s strategy
+    written in replica context during the current run (checked for divergence when the
+    run ends)."""
+    return frozenset(_state(extended).dirty)
+
+
+def note_replica_write(variable: MirroredVariable) -> None:
+    """Records that ``variable`` was written in replica context (see `replica_writes`)."""
+    _note_replica_write(variable)
+
+
+def is_variable_creation(merge_fn: Callable[..., Any]) -> bool:
+    """Whether ``merge_fn`` is the ``merge_call`` function with which a ``Variable``
+    created inside ``strategy.run`` is made (once, in cross-replica context)."""
+    return merge_fn is _merge_create
+
+
 def _components(variable: Variable) -> tuple[Variable, ...]:
     if isinstance(variable, DistributedVariable):
         return variable._values
