@@ -92,6 +92,24 @@ def test_merge_call_runs_once_on_the_calling_thread_in_cross_replica_context() -
     assert [int(r) for r in results] == [0, 10, 20, 30]
 
 
+def test_an_error_in_merge_fn_is_raised_and_stops_the_replicas() -> None:
+    strategy = pd.MirroredStrategy(3, backend=ThreadsBackend(timeout_seconds=30))
+
+    def merge_fn(s: pd.Strategy) -> None:
+        raise ValueError("merge_fn failed")
+
+    def step() -> object:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return ctx.merge_call(merge_fn)
+
+    with pytest.raises(ValueError, match="merge_fn failed"):
+        strategy.run(step)
+    # The backend is usable afterwards.
+    ids = strategy.run(lambda: pd.get_replica_context().replica_id_in_sync_group)  # type: ignore[union-attr]
+    assert [int(i) for i in strategy.experimental_local_results(ids)] == [0, 1, 2]
+
+
 def test_a_replica_that_skips_a_collective_raises_mismatch() -> None:
     strategy = pd.MirroredStrategy(2, backend=ThreadsBackend(timeout_seconds=30))
 
@@ -134,7 +152,7 @@ def test_an_error_in_one_replica_is_raised_and_stops_the_others() -> None:
 
 
 def test_a_replica_that_never_arrives_raises_deadline_exceeded() -> None:
-    strategy = pd.MirroredStrategy(2, backend=ThreadsBackend(timeout_seconds=0.2))
+    strategy = pd.MirroredStrategy(2, backend=ThreadsBackend(timeout_seconds=0.5))
     release = threading.Event()
 
     def step() -> object:
@@ -144,7 +162,7 @@ def test_a_replica_that_never_arrives_raises_deadline_exceeded() -> None:
             release.wait(30)  # stuck until the test lets it go
         return ctx.all_reduce(pd.ReduceOp.SUM, np.float32(1))
 
-    timer = threading.Timer(1.0, release.set)
+    timer = threading.Timer(2.0, release.set)
     timer.start()
     try:
         with pytest.raises(DeadlineExceededError, match=r"for replica\(s\) \[1\]"):
