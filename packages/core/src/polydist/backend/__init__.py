@@ -28,6 +28,9 @@ from polydist.backend._contract import Backend as Backend
 from polydist.backend._contract import Capabilities as Capabilities
 from polydist.backend._contract import ClusterToJoin as ClusterToJoin
 from polydist.backend._contract import ReplicaChannel as ReplicaChannel
+from polydist.backend._contract import ReplicaGroup as ReplicaGroup
+from polydist.backend._contract import SupportsCompiledRun as SupportsCompiledRun
+from polydist.backend._contract import SupportsReplicaRunner as SupportsReplicaRunner
 from polydist.backend._contract import SupportsWorkerProcesses as SupportsWorkerProcesses
 from polydist.backend._contract import available_backends as available_backends
 from polydist.backend._contract import backends_owning as backends_owning
@@ -38,6 +41,7 @@ from polydist.backend._contract import is_symbolic as is_symbolic
 from polydist.backend._contract import local_tpu_system as local_tpu_system
 from polydist.backend._contract import pack_by_dtype as pack_by_dtype
 from polydist.backend._contract import pack_by_size as pack_by_size
+from polydist.backend._contract import replica_group as replica_group
 from polydist.backend._contract import worker_processes as worker_processes
 
 __all__ = [
@@ -49,6 +53,9 @@ __all__ = [
     "ClusterToJoin",
     "EagerReplicaRunner",
     "ReplicaChannel",
+    "ReplicaGroup",
+    "SupportsCompiledRun",
+    "SupportsReplicaRunner",
     "SupportsWorkerProcesses",
     "available_backends",
     "backends_owning",
@@ -64,6 +71,7 @@ __all__ = [
     "pack_by_dtype",
     "pack_by_size",
     "register_tree_system",
+    "replica_group",
     "timeout_seconds_from_env",
     "worker_processes",
 ]
