@@ -7,6 +7,7 @@ replicas' collectives meet in shared memory. See ``docs/extending.md``.
 
 from polydist_example_backend._backend import DEFAULT_DEVICES as DEFAULT_DEVICES
 from polydist_example_backend._backend import ThreadsBackend as ThreadsBackend
+from polydist_example_backend._backend import ThreadsRunner as ThreadsRunner
 from polydist_example_backend._backend import sum_in_replica_order as sum_in_replica_order
 
-__all__ = ["DEFAULT_DEVICES", "ThreadsBackend", "sum_in_replica_order"]
+__all__ = ["DEFAULT_DEVICES", "ThreadsBackend", "ThreadsRunner", "sum_in_replica_order"]

@@ -6,7 +6,8 @@ collective through a :class:`_Group`, a rendezvous in shared memory: each
 replica posts a copy of its arrays, waits until every replica has posted, and
 then computes its own result from its peers' copies, as a direct all-reduce
 over shared memory does. ``merge_call`` runs ``merge_fn`` once, on the thread
-that called ``strategy.run``, which waits for the replicas there.
+that called ``strategy.run``, which waits for the replicas there. Core runs an
+eager backend's replicas with its ``replica_runner``: here a `ThreadsRunner`.
 
 Written against the public contract only: ``polydist`` and ``polydist.backend.*``.
 """
@@ -23,7 +24,15 @@ from typing import Any
 import numpy as np
 
 import polydist as pd
-from polydist.backend import Capabilities, ReplicaChannel, timeout_seconds_from_env
+from polydist.backend import (
+    Backend,
+    Capabilities,
+    EagerReplicaRunner,
+    ReplicaChannel,
+    ReplicaGroup,
+    SupportsReplicaRunner,
+    timeout_seconds_from_env,
+)
 from polydist.backend.context import cross_replica_scope
 from polydist.backend.devices import DeviceSpec
 from polydist.backend.tracing import (
@@ -35,7 +44,7 @@ from polydist.backend.tracing import (
 from polydist.backend.values import regroup, select_replica
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
 
-__all__ = ["DEFAULT_DEVICES", "ThreadsBackend", "sum_in_replica_order"]
+__all__ = ["DEFAULT_DEVICES", "ThreadsBackend", "ThreadsRunner", "sum_in_replica_order"]
 
 #: Virtual CPU devices, one thread each while a step runs.
 DEFAULT_DEVICES = 8
@@ -355,6 +364,81 @@ class _ThreadChannel:
             self._group.leave(k)
 
 
+# -- the runner ---------------------------------------------------------------------------
+
+
+class ThreadsRunner(EagerReplicaRunner):
+    """Runs each replica of ``strategy.run`` on a thread of its own, all at once.
+
+    Core's `EagerReplicaRunner` lets replicas take turns and performs their
+    collectives with the backend's list collectives; this one replaces its ``run``
+    and lets the replicas meet each other (`_Group`). The thread that called
+    ``strategy.run`` runs ``merge_fn`` while it waits.
+    """
+
+    def __init__(self, timeout: float | None = None) -> None:
+        super().__init__("thread", timeout)
+        self._replica_timeout = timeout
+
+    def runs_inline(self, replicas: int) -> bool:
+        return False  # even a lone replica gets its thread: merge_fn runs on the caller's
+
+    def run(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[Any]:
+        if group.strategy is None:
+            raise ValueError(
+                "ThreadsRunner.run needs the ReplicaGroup of a run, with its strategy: "
+                "polydist.backend.replica_group(strategy)."
+            )
+        timeout = self._replica_timeout
+        if timeout is None:
+            timeout = timeout_seconds_from_env()
+        replicas = _Group(group.strategy, group.devices, timeout)
+        threads = [
+            threading.Thread(
+                target=_run_replica,
+                args=(group.backend, replicas, r, fn, per_replica_args[r]),
+                name=f"polydist-threads-replica-{r}",
+                daemon=True,  # a replica stuck in user code must not keep Python alive
+            )
+            for r in range(replicas.n)
+        ]
+        for t in threads:
+            t.start()
+        replicas.serve()
+        for r in replicas.ended:
+            threads[r].join(timeout)  # it has ended: this returns at once
+        if replicas.errors:
+            raise replicas.errors[min(replicas.errors)]
+        return replicas.results
+
+
+def _run_replica(
+    backend: Backend,
+    group: _Group,
+    replica: int,
+    fn: Callable[..., Any],
+    args_kwargs: tuple[tuple[Any, ...], dict[str, Any]],
+) -> None:
+    """One replica's thread: ``fn`` in the replica's context, then report to the group."""
+    device = group.devices[replica]
+    channel = _ThreadChannel(group, replica)
+    replica_id = backend.place(np.asarray(replica, dtype=np.int32), device)
+    ctx = pd.ReplicaContext(group.strategy, replica_id, channel=channel, replica_index=replica)
+    error: BaseException | None = None
+    try:
+        args, kwargs = args_kwargs
+        with ctx, backend.device_scope(device):
+            group.results[replica] = fn(*args, **kwargs)
+    except BaseException as e:  # raised by ThreadsRunner.run, on the caller's thread
+        error = e
+    group.finish(replica, channel.collectives, error)
+
+
 # -- the backend --------------------------------------------------------------------------
 
 
@@ -378,7 +462,7 @@ class ThreadsBackend:
         if num_devices < 1:
             raise ValueError(f"num_devices must be at least 1, got {num_devices}.")
         self._num_devices = num_devices
-        self._timeout = timeout_seconds
+        self._runner = ThreadsRunner(timeout_seconds)
         self.capabilities = Capabilities(
             execution_model="eager",
             # Sums are added in float64 (see sum_in_replica_order), which no sim order
@@ -439,52 +523,10 @@ class ThreadsBackend:
         return np.asarray(value)
 
     # -- running ------------------------------------------------------------------------
-    def run_replicas(
-        self,
-        extended: pd.StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        timeout = self._timeout if self._timeout is not None else timeout_seconds_from_env()
-        strategy = pd.get_strategy()  # strategy.run calls us inside strategy.scope()
-        group = _Group(strategy, extended.worker_devices, timeout)
-        threads = [
-            threading.Thread(
-                target=self._replica,
-                args=(group, r, fn, per_replica_args[r]),
-                name=f"polydist-threads-replica-{r}",
-                daemon=True,  # a replica stuck in user code must not keep Python alive
-            )
-            for r in range(group.n)
-        ]
-        for t in threads:
-            t.start()
-        group.serve()
-        for r in group.ended:
-            threads[r].join(timeout)  # it has ended: this returns at once
-        if group.errors:
-            raise group.errors[min(group.errors)]
-        return group.results
-
-    def _replica(
-        self,
-        group: _Group,
-        replica: int,
-        fn: Callable[..., Any],
-        args_kwargs: tuple[tuple[Any, ...], dict[str, Any]],
-    ) -> None:
-        device = group.devices[replica]
-        channel = _ThreadChannel(group, replica)
-        replica_id = self.place(np.asarray(replica, dtype=np.int32), device)
-        ctx = pd.ReplicaContext(group.strategy, replica_id, channel=channel, replica_index=replica)
-        error: BaseException | None = None
-        try:
-            args, kwargs = args_kwargs
-            with ctx, self.device_scope(device):
-                group.results[replica] = fn(*args, **kwargs)
-        except BaseException as e:  # reported by run_replicas, on the caller's thread
-            error = e
-        group.finish(replica, channel.collectives, error)
+    @property
+    def replica_runner(self) -> EagerReplicaRunner:
+        """What core runs ``strategy.run``'s replicas with (``SupportsReplicaRunner``)."""
+        return self._runner
 
     # -- list collectives (cross-replica context) -------------------------------------
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:
@@ -504,4 +546,7 @@ class ThreadsBackend:
         return [np.array(value) for _ in destinations]
 
 
-_channel_check: Callable[[_Group, int], ReplicaChannel] = _ThreadChannel  # typed proof
+# Typed proofs that the classes implement the public protocols.
+_channel_check: Callable[[_Group, int], ReplicaChannel] = _ThreadChannel
+_backend_check: Callable[[], Backend] = ThreadsBackend
+_runner_check: Callable[[], SupportsReplicaRunner] = ThreadsBackend

@@ -97,7 +97,7 @@ from polydist_jax._spmd import CompiledRunner, _Mesh
 from polydist_jax._typed import pspec, psum
 
 if TYPE_CHECKING:
-    from polydist import StrategyExtended
+    pass
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
@@ -753,12 +753,6 @@ class JaxProcessBackend(JaxBackend):
         self._task: tuple[str, int] | None = None
         self._timeout = DEFAULT_TIMEOUT_SECONDS
         self._addresses: list[str] = []
-        self._runners = mp.ReplicaRunners(timeout_seconds, self._eager_channel)
-        if not hasattr(self, "_eager"):
-            raise RuntimeError(
-                "polydist_jax.JaxBackend no longer has the _eager runner that JaxProcessBackend "
-                "replaces; update polydist_jax._multi_worker."
-            )
 
     def __repr__(self) -> str:
         c = self._cluster
@@ -890,17 +884,6 @@ class JaxProcessBackend(JaxBackend):
         assert self._cluster is not None
         self._cluster.check("broadcast", array)
         return self.place(self._cluster.gather(array)[0], device)
-
-    # -- running -----------------------------------------------------------------------------
-    def run_replicas(
-        self,
-        extended: StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        # The eager runner (jit=False, or the fallback for uneven inputs).
-        self._eager = self._runners.of(extended)
-        return super().run_replicas(extended, fn, per_replica_args)
 
     # -- collectives -----------------------------------------------------------------------
     def reduce_to(self, values: Sequence[Any], destination: str) -> Any:

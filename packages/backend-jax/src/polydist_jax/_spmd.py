@@ -82,6 +82,7 @@ from polydist_jax._typed import pspec, psum, x64_enabled
 
 if TYPE_CHECKING:
     from polydist import Strategy, StrategyExtended
+    from polydist.backend import ReplicaGroup
 
 __all__ = ["CompiledRunner", "Uneven"]
 
@@ -572,13 +573,14 @@ class SpmdChannel:
 
     def __init__(
         self,
-        strategy: Strategy,
-        devices: tuple[str, ...],
+        group: ReplicaGroup,
         shared_inputs: set[int],
         variables: TracedVariables | None = None,
     ) -> None:
-        self._strategy = strategy
-        self._devices = devices
+        assert group.strategy is not None, "core passes the group of a run"
+        self._strategy: Strategy = group.strategy
+        self._devices = group.devices
+        self._options = group.communication_options
         self._shared_inputs = shared_inputs
         self._variables = variables
         # Traced values merge_fn handed to every replica as one object (id -> value,
@@ -597,9 +599,8 @@ class SpmdChannel:
             # One process: XLA's own all-reduce of the nest (packing would only add the
             # copies in and out: 10% on the CPU MLP benchmark's step).
             return list(psum(arrays, replica_axis()))
-        options = getattr(self._strategy.extended, "_communication_options", None)
         call = _communication.current_call_options()
-        return _packed_psum(arrays, _communication.bytes_per_pack(options, call))
+        return _packed_psum(arrays, _communication.bytes_per_pack(self._options, call))
 
     def all_gather(self, values: Sequence[Any], axis: int) -> list[Any]:
         out = []
@@ -773,16 +774,16 @@ class CompiledRunner:
     # -- one call -------------------------------------------------------------------
     def run(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
         """Raises :class:`Uneven` (before running anything) if the inputs need eager mode."""
         group = self._group() if self._group is not None else None
         if group is None:
-            prepared = self._prepare(extended, fn, per_replica_args)
+            prepared = self._prepare(replicas, fn, per_replica_args)
         else:
-            prepared = self._prepare_across(group, extended, fn, per_replica_args)
+            prepared = self._prepare_across(group, replicas, fn, per_replica_args)
         program, inputs, columns, mesh, traced = prepared
         call_variables = _call.variables
         checked = _call.check
@@ -885,12 +886,12 @@ class CompiledRunner:
 
     def lower(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> Any:
         """The ``jax.stages.Lowered`` program that ``run`` would call."""
-        program, inputs, *_ = self._prepare(extended, fn, per_replica_args)
+        program, inputs, *_ = self._prepare(replicas, fn, per_replica_args)
         lowered = program.jitted.lower(*inputs)
         if program.created and program.evict is not None:
             program.evict()
@@ -899,7 +900,7 @@ class CompiledRunner:
     def _prepare_across(
         self,
         group: ProcessGroup,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> tuple[_Program, list[Any], list[list[Any]], _Mesh, bool]:
@@ -910,7 +911,7 @@ class CompiledRunner:
         describes the traced program, computed once, when it is first traced. Otherwise
         every process raises :class:`Uneven` (and runs this call eagerly)."""
         try:
-            prepared = self._prepare(extended, fn, per_replica_args)
+            prepared = self._prepare(replicas, fn, per_replica_args)
         except Uneven:
             group.agree(None)  # the others fall back to eager mode with this process
             raise
@@ -939,11 +940,11 @@ class CompiledRunner:
 
     def _prepare(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> tuple[_Program, list[Any], list[list[Any]], _Mesh, bool]:
-        devices = tuple(extended.worker_devices)
+        devices = replicas.devices
         mesh = self._mesh(devices)
         first = per_replica_args[0]
         flat, spec = _nest.flatten(first)
@@ -953,12 +954,14 @@ class CompiledRunner:
         else:
             flats = [flat, *(_nest.flatten(pr)[0] for pr in per_replica_args[1:])]
             columns = [list(col) for col in zip(*flats, strict=True)]
+        assert replicas.strategy is not None, "core passes the group of a run"
+        extended = replicas.strategy.extended
         variables = _functional.collect(extended, len(devices), fn, flat)
         positions = {id(v): i for i, v in enumerate(variables)}
         leaves, inputs, traced = self._classify(columns, mesh, positions)
         var_inputs, var_keys = self._variable_input_arrays(variables, mesh)
         key = (fn, spec, tuple(leaf.key() for leaf in leaves), var_keys, x64_enabled())
-        program = self._program(extended, key, fn, leaves, mesh, spec, variables)
+        program = self._program(replicas, key, fn, leaves, mesh, spec, variables)
         _call.variables = variables  # what a trace of this call functionalizes
         _call.check = self._checks(program, mesh)
         flag = self._check_flag(mesh, _call.check)
@@ -1205,7 +1208,7 @@ class CompiledRunner:
     # -- programs -------------------------------------------------------------------
     def _program(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         key: Any,
         fn: Callable[..., Any],
         leaves: list[_Leaf],
@@ -1213,6 +1216,8 @@ class CompiledRunner:
         spec: Any,
         variables: list[Variable],
     ) -> _Program:
+        assert replicas.strategy is not None, "core passes the group of a run"
+        extended = replicas.strategy.extended  # the programs are cached per strategy
         with self._lock:
             cache = self._programs.get(extended)
             if cache is None:
@@ -1222,7 +1227,7 @@ class CompiledRunner:
                 cache.move_to_end(key)
                 return program
         kinds = [isinstance(v, DistributedVariable) for v in variables]
-        program = self._build(extended, fn, leaves, mesh, spec, kinds)
+        program = self._build(replicas, fn, leaves, mesh, spec, kinds)
         program.signs = (fn, spec, leaves, key[3], key[4])  # for a group's digest
 
         def evict() -> None:
@@ -1239,16 +1244,16 @@ class CompiledRunner:
 
     def _build(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         leaves: list[_Leaf],
         mesh: _Mesh,
         spec: Any,
         distributed: list[bool],
     ) -> _Program:
-        strategy = extended._container_strategy()
-        devices = tuple(extended.worker_devices)
-        n = len(devices)
+        strategy = replicas.strategy
+        assert strategy is not None, "core passes the group of a run"
+        n = len(replicas.devices)
         dynamic = [leaf for leaf in leaves if leaf.kind not in (_STATIC, _VARIABLE, _EMPTY)]
         split_spec = pspec(mesh.axis)
         in_specs = tuple(split_spec if leaf.kind == _REPLICA else pspec() for leaf in dynamic)
@@ -1296,11 +1301,11 @@ class CompiledRunner:
                 entries[id(block)] = i
                 values.append(block)
             args, kwargs = _nest.unflatten(spec, values)
-            channel = SpmdChannel(strategy, devices, shared, traced_vars)
+            channel = SpmdChannel(replicas, shared, traced_vars)
             ctx = ReplicaContext(
                 strategy, lax.axis_index(mesh.axis), channel=channel, replica_index=None
             )
-            with traced_vars.tracing(extended):
+            with traced_vars.tracing(strategy.extended):
                 with _capture_collectives() as capture, lazy_scope():
                     with ctx:
                         result = fn(*args, **kwargs)

@@ -84,13 +84,12 @@ from polydist._distributed.multi_process import (
 )
 from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
 from polydist.cluster_resolver import ClusterResolver
-from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._backend import Reduction, TorchBackend, _tensors
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
 from polydist_torch._host_all_reduce import CACHE_MIN_BYTES, ResultCache
 
 if TYPE_CHECKING:
-    from polydist import StrategyExtended
+    pass
 
 __all__ = [
     "DEFAULT_RESULT_CACHE_BYTES",
@@ -568,12 +567,6 @@ class TorchProcessGroupBackend(TorchBackend):
         self._rendezvous: str | None = None
         self._addresses: list[str] = []
         self._timeout = DEFAULT_TIMEOUT_SECONDS
-        self._runners = mp.ReplicaRunners(timeout_seconds, TorchReplicaChannel)
-        if not hasattr(self, "_runner"):
-            raise RuntimeError(
-                "polydist_torch.TorchBackend no longer has the _runner that "
-                "TorchProcessGroupBackend replaces; update polydist_torch._multi_worker."
-            )
 
     def __repr__(self) -> str:
         where = (
@@ -687,16 +680,6 @@ class TorchProcessGroupBackend(TorchBackend):
                 tensor = tensor.clone() if isinstance(value, torch.Tensor) else tensor
                 self._group.broadcast_(tensor)
         return tensor
-
-    # -- running ----------------------------------------------------------------------------
-    def run_replicas(
-        self,
-        extended: StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        self._runner = self._runners.of(extended)
-        return super().run_replicas(extended, fn, per_replica_args)
 
     # -- collectives across workers -----------------------------------------------------------
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:

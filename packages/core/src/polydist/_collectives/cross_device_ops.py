@@ -44,7 +44,6 @@ import contextvars
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,7 +64,7 @@ from polydist._strategies import context as _context
 from polydist._valuetypes import indexed_slices as _indexed_slices
 from polydist._valuetypes.values import DistributedValues, Mirrored, PerReplica, regroup
 from polydist._valuetypes.variables import Variable, _read_operand, read_for_reduce
-from polydist.backend._contract import Backend, batch_all_reduce
+from polydist.backend._contract import Backend, ReplicaGroup, batch_all_reduce
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -78,6 +77,7 @@ __all__ = [
     "HierarchicalCopyAllReduce",
     "NcclAllReduce",
     "ReductionToOneDevice",
+    "ReplicaGroup",
 ]
 
 
@@ -171,26 +171,6 @@ def check_cross_device_ops(ops: Any) -> CrossDeviceOps | None:
 
 
 # -- the group and the reduce tail ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReplicaGroup:
-    """Who a cross-replica reduction spans, as the strategy supplies it (its group provider).
-
-    One process's replicas, a simulated cluster and one process per worker differ here
-    only; the reduction itself is `reduce_over_group` for all of them.
-    """
-
-    backend: Backend
-    #: Where each of this process's values is placed before the engine's SUM.
-    devices: tuple[str, ...]
-    #: How many values the engine's SUM adds up (every worker's): MEAN's divisor.
-    size: int
-    #: What the trace records as the collective's participants; ``None``: nothing.
-    participants: tuple[str, ...] | None = None
-    #: The SUM crosses processes: announce the reduce op to the workers' agreement
-    #: check, and let a batch go to the engine together (packed).
-    across_processes: bool = False
 
 
 def apply_mean(xp: Any, reduce_op: ReduceOp, values: list[Any], size: int) -> list[Any]:

@@ -71,7 +71,6 @@ from polydist._collectives.check import (
 )
 from polydist._distributed.cluster import InReplicaContext
 from polydist._distributed.multi_worker import MultiWorkerExtended
-from polydist._strategies.eager import EagerReplicaRunner
 from polydist._strategies.replica_context import ReplicaContext
 from polydist._strategies.strategy import (
     Strategy,
@@ -85,7 +84,6 @@ from polydist.backend._contract import (
     Backend,
     Capabilities,
     ClusterToJoin,
-    ReplicaChannel,
     WorkerProcessBackend,
     is_symbolic,
 )
@@ -106,7 +104,6 @@ __all__ = [
     "HeartbeatStore",
     "NO_TIMEOUT_SECONDS",
     "MultiProcessExtended",
-    "ReplicaRunners",
     "WorkerProcessBackend",
     "check_joining",
     "collective_timeout",
@@ -372,6 +369,9 @@ class MultiProcessExtended(MultiWorkerExtended):
             return super()._call_for_each_replica(fn, args, kwargs)
         wrapped = InReplicaContext(fn, _WorkerReplicaContext)
         return super()._call_for_each_replica(wrapped, args, kwargs)
+
+    def _run_across_processes(self) -> bool:
+        return self._num_workers > 1
 
     # -- reductions: the group spans every worker's process ------------------------------------
     def _replica_group(self, count: int) -> _cross_device_ops.ReplicaGroup:
@@ -837,31 +837,3 @@ def process_capabilities(capabilities: Capabilities) -> Capabilities:
     return dataclasses.replace(
         capabilities, multi_worker=True, reduction_orders=(), simulated_clusters=False
     )
-
-
-class ReplicaRunners:
-    """An engine backend's eager replica runners, one per worker of the strategies that use
-    it: a replica's channel needs the replica's id among every worker's replicas
-    (all_gather's gradient keeps its segment), ``channel(inner, id)`` wraps it."""
-
-    def __init__(
-        self, timeout: float | None, channel: Callable[[ReplicaChannel, int], ReplicaChannel]
-    ) -> None:
-        self._timeout = timeout
-        self._channel = channel
-        self._runners: dict[int, EagerReplicaRunner] = {}
-
-    def of(self, extended: object) -> EagerReplicaRunner:
-        """The runner of ``extended``'s worker (its ``_replica_offset``: the global id of
-        its first replica; 0 for a strategy of one worker)."""
-        offset = int(getattr(extended, "_replica_offset", 0))
-        runner = self._runners.get(offset)
-        if runner is None:
-            channel = self._channel
-            runner = EagerReplicaRunner(
-                "thread",
-                self._timeout,
-                wrap_channel=lambda inner, index: channel(inner, offset + index),
-            )
-            self._runners[offset] = runner
-        return runner

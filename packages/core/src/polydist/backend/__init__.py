@@ -46,11 +46,14 @@ from polydist.backend._contract import ClusterBackend as ClusterBackend
 from polydist.backend._contract import ClusterToJoin as ClusterToJoin
 from polydist.backend._contract import Features as Features
 from polydist.backend._contract import ReplicaChannel as ReplicaChannel
+from polydist.backend._contract import ReplicaGroup as ReplicaGroup
 from polydist.backend._contract import SupportsBatchAllReduce as SupportsBatchAllReduce
+from polydist.backend._contract import SupportsCompiledRun as SupportsCompiledRun
 from polydist.backend._contract import SupportsCrossDeviceOps as SupportsCrossDeviceOps
 from polydist.backend._contract import SupportsLocalTPUSystem as SupportsLocalTPUSystem
 from polydist.backend._contract import SupportsPlacePerReplica as SupportsPlacePerReplica
 from polydist.backend._contract import SupportsReductionOrder as SupportsReductionOrder
+from polydist.backend._contract import SupportsReplicaRunner as SupportsReplicaRunner
 from polydist.backend._contract import SupportsSimulatedDevices as SupportsSimulatedDevices
 from polydist.backend._contract import SupportsStoreVariable as SupportsStoreVariable
 from polydist.backend._contract import SupportsSymbolicValues as SupportsSymbolicValues
@@ -66,6 +69,7 @@ from polydist.backend._contract import is_symbolic as is_symbolic
 from polydist.backend._contract import local_tpu_system as local_tpu_system
 from polydist.backend._contract import pack_by_dtype as pack_by_dtype
 from polydist.backend._contract import pack_by_size as pack_by_size
+from polydist.backend._contract import replica_group as replica_group
 from polydist.backend._contract import worker_processes as worker_processes
 
 __all__ = [
@@ -87,6 +91,9 @@ __all__ = [
     "SupportsSimulatedDevices",
     "SupportsStoreVariable",
     "SupportsSymbolicValues",
+    "ReplicaGroup",
+    "SupportsCompiledRun",
+    "SupportsReplicaRunner",
     "SupportsWorkerProcesses",
     "WorkerProcessBackend",
     "available_backends",
@@ -104,6 +111,7 @@ __all__ = [
     "pack_by_dtype",
     "pack_by_size",
     "register_tree_system",
+    "replica_group",
     "timeout_seconds_from_env",
     "worker_processes",
 ]

@@ -4,18 +4,21 @@ Core owns every semantic rule (contexts, regrouping, reduce-axis rules, the
 MEAN dtype rule, error messages). A backend owns devices, placement, running
 the replica function, and the collectives. See ``docs/extending.md``.
 
-Two execution models fit the same contract:
+Core owns the execution model (``Capabilities.execution_model``):
 
-* **eager** (sim, torch): ``run_replicas`` calls ``fn`` once per replica.
-  Such backends delegate to :class:`polydist.backend.EagerReplicaRunner`,
-  which runs the replicas, rendezvouses them at every collective and
-  ``merge_call``, and calls the backend's list collectives
-  (``all_reduce``, ``all_gather``, ...) with one value per replica.
-* **spmd** (jax): ``run_replicas`` traces ``fn`` once for all replicas
-  (``jax.shard_map``). Inside the trace it installs a
-  :class:`ReplicaContext` whose :class:`ReplicaChannel` turns collectives
-  into compiled ops (``lax.psum``), and runs ``merge_fn`` in a
-  cross-replica context over per-replica values that are traced.
+* **eager** (sim, torch): core runs ``fn`` once per replica itself, with
+  :class:`polydist.backend.EagerReplicaRunner`, which rendezvouses the replicas
+  at every collective and ``merge_call`` and calls the backend's list
+  collectives (``all_reduce``, ``all_gather``, ...) with one value per replica.
+  The backend supplies devices, placement and collectives; it may configure
+  the runner (`SupportsReplicaRunner`).
+* **spmd** (jax, torch-xla): core calls the backend's ``run_replicas(group,
+  fn, per_replica_args)`` (`SupportsCompiledRun`) with the `ReplicaGroup` to
+  run, a frozen description built once per strategy. It traces ``fn`` once
+  for all replicas (``jax.shard_map``), installs a ``ReplicaContext`` whose
+  :class:`ReplicaChannel` turns collectives into compiled ops
+  (``lax.psum``), and runs ``merge_fn`` in a cross-replica context over
+  per-replica values that are traced.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ if TYPE_CHECKING:
     from polydist._base.communication import CommunicationOptions
     from polydist._base.reduce_op import ReduceOp
     from polydist._collectives.cross_device_ops import CrossDeviceOps
-    from polydist._strategies.strategy import StrategyExtended
+    from polydist._strategies.eager import EagerReplicaRunner
+    from polydist._strategies.strategy import Strategy
     from polydist.cluster_resolver import ClusterResolver
     from polydist.tpu import LocalTPUSystem
 
@@ -59,6 +63,9 @@ __all__ = [
     "SupportsSymbolicValues",
     "SupportsWorkerProcesses",
     "WorkerProcessBackend",
+    "ReplicaGroup",
+    "SupportsCompiledRun",
+    "SupportsReplicaRunner",
     "available_backends",
     "backends_owning",
     "features",
@@ -66,6 +73,7 @@ __all__ = [
     "get_backend_for_value",
     "is_symbolic",
     "local_tpu_system",
+    "replica_group",
 ]
 
 ENTRY_POINT_GROUP = "polydist.backends"
@@ -193,6 +201,10 @@ class Backend(Protocol):
     Optional features are the small ``Supports…`` protocols below (and
     `ClusterBackend`, `WorkerProcessBackend`): a backend implements the methods of
     those it has. Core checks them once per backend (`features`), never by name.
+
+    Running the replicas: an eager backend has nothing to implement (core runs
+    them; `SupportsReplicaRunner` configures how); a backend that declares
+    ``execution_model="spmd"`` implements `SupportsCompiledRun`.
     """
 
     name: str
@@ -228,16 +240,6 @@ class Backend(Protocol):
 
     def to_numpy(self, value: Any) -> np.ndarray:
         """Copies a backend array to a host NumPy array."""
-        ...
-
-    def run_replicas(
-        self,
-        extended: StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        """Calls ``fn(*args, **kwargs)`` once per replica, each inside its
-        ``ReplicaContext``, and returns each replica's result in order."""
         ...
 
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:
@@ -422,6 +424,88 @@ def features(backend: Backend) -> Features:
         return found
     _features[key] = (ref, found)
     return found
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Who a collective or a run spans, as the strategy supplies it (its group provider).
+
+    For a reduction: one process's replicas, a simulated cluster and one process
+    per worker differ here only; the reduction itself is core's ``reduce_over_group``
+    for all of them. For ``strategy.run``: what a compiled backend's
+    ``run_replicas`` gets (`SupportsCompiledRun`) and what core's
+    `EagerReplicaRunner` runs, built once per strategy (`replica_group`).
+    """
+
+    backend: Backend
+    #: Where each of this process's values is placed before the engine's SUM; for a
+    #: run, the device of each replica this process runs, in replica order.
+    devices: tuple[str, ...]
+    #: How many values the engine's SUM adds up (every worker's): MEAN's divisor. For a
+    #: run, ``num_replicas_in_sync`` (every worker's replicas).
+    size: int
+    #: What the trace records as the collective's participants; ``None``: nothing.
+    participants: tuple[str, ...] | None = None
+    #: The SUM crosses processes: announce the reduce op to the workers' agreement
+    #: check, and let a batch go to the engine together (packed).
+    across_processes: bool = False
+    #: For a run: the strategy whose replicas these are (its ``ReplicaContext``\ s and
+    #: ``merge_fn``'s cross-replica context belong to it, and its variables).
+    strategy: Strategy | None = None
+    #: For a run: the id (``replica_id_in_sync_group``) of this process's first replica
+    #: among every worker's; 0 in one process.
+    replica_offset: int = 0
+    #: For a run: the strategy's ``CommunicationOptions`` (multi-worker strategies).
+    communication_options: CommunicationOptions | None = None
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Every worker's replicas (``size``)."""
+        return self.size
+
+
+def replica_group(strategy: Strategy) -> ReplicaGroup:
+    """The `ReplicaGroup` ``strategy.run`` runs: this process's replicas' devices, the
+    replica count, the first replica's id, the communication options. Built once per
+    strategy (and set of devices) and reused by every run."""
+    return strategy.extended._run_group()
+
+
+@runtime_checkable
+class SupportsCompiledRun(Protocol):
+    """How a backend with ``Capabilities.execution_model == "spmd"`` runs ``strategy.run``.
+
+    Core calls ``run_replicas`` instead of its own eager runner. The backend traces
+    ``fn`` once for all replicas, each call inside a ``ReplicaContext`` of
+    ``group.strategy`` whose channel turns collectives into compiled ones, and returns
+    each replica's result in replica order (core regroups them). ``per_replica_args[r]``
+    holds the ``(args, kwargs)`` replica ``r`` receives (the same object for every
+    replica when nothing is distributed). A backend that cannot compile a call may run it
+    with `EagerReplicaRunner` (``runner.run(group, fn, per_replica_args)``).
+    """
+
+    def run_replicas(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[Any]: ...
+
+
+@runtime_checkable
+class SupportsReplicaRunner(Protocol):
+    """An eager backend's configuration of core's runner (``execution_model == "eager"``).
+
+    Core runs the replicas with ``replica_runner`` (read at each run); a backend without
+    one gets ``EagerReplicaRunner()`` (greenlets, ``$POLYDIST_TIMEOUT_SECONDS``). A
+    backend whose engine keeps state per thread asks for ``"thread"`` mode; one whose
+    collectives need wrapping (autograd) passes ``wrap_channel``; one that needs work
+    around a whole run (carrying the caller's thread state into the replicas) subclasses
+    `EagerReplicaRunner` and extends ``run``.
+    """
+
+    @property
+    def replica_runner(self) -> EagerReplicaRunner: ...
 
 
 _lock = threading.Lock()
