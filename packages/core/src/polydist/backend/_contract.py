@@ -449,8 +449,8 @@ class ReplicaGroup:
     #: The SUM crosses processes: announce the reduce op to the workers' agreement
     #: check, and let a batch go to the engine together (packed).
     across_processes: bool = False
-    #: For a run: the strategy whose replicas these are (its ``ReplicaContext``\ s and
-    #: ``merge_fn``'s cross-replica context belong to it, and its variables).
+    #: For a run: the strategy whose replicas these are (the replicas' ``ReplicaContext``
+    #: objects and ``merge_fn``'s cross-replica context belong to it, and its variables).
     strategy: Strategy | None = None
     #: For a run: the id (``replica_id_in_sync_group``) of this process's first replica
     #: among every worker's; 0 in one process.
