@@ -45,7 +45,7 @@ from polydist._collectives import trace as _trace
 from polydist._collectives.check import collective_intent
 from polydist._strategies import context as _context
 from polydist._valuetypes.values import regroup, select_replica
-from polydist.backend._contract import batch_all_reduce
+from polydist.backend._contract import batch_all_reduce, features
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
 
 if TYPE_CHECKING:
@@ -643,7 +643,7 @@ class _Run:
         # Engines that check collectives across processes publish the op and call site.
         reduce_op = first.signature[0] if first.kind == "all_reduce" else None
         intent = collective_intent(reduce_op, lambda: first.source)
-        batches = hasattr(backend, "batch_all_reduce")
+        batches = features(backend).batch_all_reduce
         if first.kind == "all_reduce" and len(first.payload) > 1 and batches:
             # A nest, on a backend that packs its arrays into fewer collectives (as TF
             # does): the trace still lists each array, with its share of the time.
