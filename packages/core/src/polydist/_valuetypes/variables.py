@@ -58,7 +58,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
 
@@ -83,7 +83,13 @@ from polydist._valuetypes.values import (
     regroup,
     select_replica,
 )
-from polydist.backend._contract import Backend, backends_owning, get_backend_for_value
+from polydist.backend._contract import (
+    Backend,
+    SupportsStoreVariable,
+    backends_owning,
+    features,
+    get_backend_for_value,
+)
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -450,10 +456,11 @@ def _copy(array: Any, xp: Any) -> Any:
 
 
 def _stored(backend: Backend, stored: Any, new: Any) -> Any:
-    """What a component stores when its value becomes ``new``: the backend's optional
-    ``store_variable(stored, new)`` decides (see the module docstring), else ``new``."""
-    store = getattr(backend, "store_variable", None)
-    return new if store is None else store(stored, new)
+    """What a component stores when its value becomes ``new``: a backend with
+    `SupportsStoreVariable` decides (see the module docstring), else ``new``."""
+    if not features(backend).store_variable:
+        return new
+    return cast(SupportsStoreVariable, backend).store_variable(stored, new)
 
 
 def _freeze(array: Any) -> Any:
