@@ -73,7 +73,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -95,9 +95,6 @@ from polydist_jax._backend import JaxBackend
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
 from polydist_jax._spmd import CompiledRunner, _Mesh
 from polydist_jax._typed import pspec, psum
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",

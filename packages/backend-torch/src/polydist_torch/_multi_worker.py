@@ -64,7 +64,7 @@ import tempfile
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,9 +87,6 @@ from polydist.cluster_resolver import ClusterResolver
 from polydist_torch._backend import Reduction, TorchBackend, _tensors
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
 from polydist_torch._host_all_reduce import CACHE_MIN_BYTES, ResultCache
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "DEFAULT_RESULT_CACHE_BYTES",
