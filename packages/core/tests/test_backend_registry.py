@@ -277,3 +277,48 @@ def test_local_tpu_system_reads_the_feature() -> None:
 
     with pytest.raises(TypeError, match="must return a polydist.tpu.LocalTPUSystem"):
         local_tpu_system(Wrong())
+
+
+def test_tracing_kit_tells_variable_creation_and_replica_writes() -> None:
+    from polydist.backend.eager import EagerReplicaRunner
+    from polydist.backend.tracing import is_variable_creation, replica_writes
+    from polydist_sim import SimBackend
+
+    seen: list[bool] = []
+
+    class Watching:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def all_reduce(self, reduce_op: Any, values: Any) -> Any:
+            return self.inner.all_reduce(reduce_op, values)
+
+        def all_gather(self, values: Any, axis: int) -> Any:
+            return self.inner.all_gather(values, axis)
+
+        def merge_call(self, merge_fn: Any, args: Any, kwargs: Any) -> Any:
+            seen.append(is_variable_creation(merge_fn))
+            return self.inner.merge_call(merge_fn, args, kwargs)
+
+    backend = SimBackend()
+    backend._runner = EagerReplicaRunner(wrap_channel=lambda channel, index: Watching(channel))
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    with strategy.scope():
+        kept = pd.Variable(0.0, aggregation=pd.VariableAggregation.NONE)
+
+    def step() -> None:
+        pd.Variable(1.0)  # created once, in a merge_call
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        ctx.merge_call(lambda s: None)
+        kept.assign(1.0)  # a NONE-aggregated write in replica context
+
+    written: list[tuple[int, ...]] = []
+
+    def step_and_look() -> None:
+        step()
+        written.append(replica_writes(strategy.extended))
+
+    strategy.run(step_and_look)
+    assert seen == [True, True, False, False]
+    assert written[-1] == (id(kept),)

@@ -555,3 +555,31 @@ def test_summary_singular_and_large_units() -> None:
     first, _, _, row = t.summary().splitlines()
     assert first == "polydist trace: 1 collective in 1 step, 5.00 GiB per participant"
     assert row.endswith("5.00 GiB             2  x.py:1 in f  1.250 s          -")
+
+
+def _record_bytes(nbytes: int) -> None:
+    record_collective(
+        "all_reduce",
+        reduce_op="SUM",
+        dtype="float32",
+        nbytes=nbytes,
+        shape=(1,),
+        participants=("/sim:0", "/sim:1"),
+        backend="sim",
+    )
+
+
+def test_capture_collectives_takes_the_events_from_the_users_traces() -> None:
+    from polydist.backend.tracing import capture_collectives
+
+    with trace() as user:
+        _record_bytes(4)
+        with capture_collectives() as captured:
+            _record_bytes(8)
+            with trace() as opened_inside:  # opened during the capture: stays open after
+                _record_bytes(12)
+        _record_bytes(16)
+    assert [e.nbytes for e in captured.events] == [8, 12]
+    assert [e.nbytes for e in user.events] == [4, 16]
+    assert [e.nbytes for e in opened_inside.events] == [12]
+    assert not is_tracing()

@@ -293,11 +293,11 @@ def current_update_replica() -> int | None:
     return _UPDATE_REPLICA.get()
 
 
-def replica_writes(extended: StrategyExtended) -> frozenset[int]:
+def replica_writes(extended: StrategyExtended) -> tuple[int, ...]:
     """The ``id`` of each NONE-aggregated ``MirroredVariable`` of ``extended``'s strategy
-    written in replica context during the current run (checked for divergence when the
-    run ends)."""
-    return frozenset(_state(extended).dirty)
+    written in replica context during the current run, in the order of their first
+    write (checked for divergence when the run ends)."""
+    return tuple(_state(extended).dirty)
 
 
 def note_replica_write(variable: MirroredVariable) -> None:

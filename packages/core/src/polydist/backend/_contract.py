@@ -131,7 +131,7 @@ class Capabilities:
     #: Variables can be read and written inside ``strategy.run`` (replica context).
     #: ``None`` (the default): ``execution_model == "eager"`` (see ``has``). An eager
     #: backend calls each replica in Python, where core handles variables; an SPMD
-    #: backend must functionalize them (``polydist._valuetypes.variables.swap_storage``) and
+    #: backend must functionalize them (``polydist.backend.tracing.swap_storage``) and
     #: declare ``True``.
     variables_in_replica_context: bool | None = None
     #: ``TPUStrategy`` and ``MultiWorkerMirroredStrategy`` accept slices and clusters of
