@@ -71,6 +71,7 @@ SOURCE_DIRS = [
     "packages/backend-jax/src",
     "packages/backend-torch/src",
     "conformance/src",
+    "examples/thirdparty_backend/src",
 ]
 
 
