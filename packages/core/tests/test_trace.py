@@ -16,6 +16,7 @@ from polydist._collectives.trace import (
     CollectiveEvent,
     Trace,
     begin_step,
+    declare_internal_modules,
     is_tracing,
     record_collective,
     trace,
@@ -244,10 +245,14 @@ def _inner(nbytes):
 
 
 def test_source_skips_backend_package_frames() -> None:
-    # A module whose __name__ lives in polydist_sim: its frames are internal.
+    # A backend's package is internal once the backend declares it so.
     fake = _fake_module(
-        "polydist_sim._fake_backend", "/nowhere/_fake_backend.py", _FAKE_BACKEND_SRC
+        "fake_backend_pkg._fake_backend", "/nowhere/_fake_backend.py", _FAKE_BACKEND_SRC
     )
+    with trace() as before:
+        fake.all_reduce(8)
+    assert before.events[0].source == "_fake_backend.py:8 in _inner"
+    declare_internal_modules("fake_backend_pkg")
     with trace() as t:
         line = sys._getframe().f_lineno + 1
         fake.all_reduce(8)
@@ -255,8 +260,14 @@ def test_source_skips_backend_package_frames() -> None:
     assert e.source == f"test_trace.py:{line} in test_source_skips_backend_package_frames"
 
 
+def test_declare_internal_modules_takes_top_level_names() -> None:
+    with pytest.raises(ValueError, match="top-level package names"):
+        declare_internal_modules("fake_backend_pkg.sub")
+
+
 def test_source_skips_threading_frames_but_finds_user_function_in_thread() -> None:
-    fake = _fake_module("polydist_jax._fake_backend", "/nowhere/_fake_jax.py", _FAKE_BACKEND_SRC)
+    declare_internal_modules("fake_jax_pkg")
+    fake = _fake_module("fake_jax_pkg._fake_backend", "/nowhere/_fake_jax.py", _FAKE_BACKEND_SRC)
     lines: list[int] = []
 
     def replica_fn() -> None:

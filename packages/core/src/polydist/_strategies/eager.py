@@ -51,6 +51,7 @@ from polydist.backend._contract import (
     SupportsCompiledRun,
     SupportsReplicaRunner,
     batch_all_reduce,
+    features,
 )
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
 
@@ -658,7 +659,7 @@ class _Run:
         # Engines that check collectives across processes publish the op and call site.
         reduce_op = first.signature[0] if first.kind == "all_reduce" else None
         intent = collective_intent(reduce_op, lambda: first.source)
-        batches = hasattr(backend, "batch_all_reduce")
+        batches = features(backend).batch_all_reduce
         if first.kind == "all_reduce" and len(first.payload) > 1 and batches:
             # A nest, on a backend that packs its arrays into fewer collectives (as TF
             # does): the trace still lists each array, with its share of the time.
