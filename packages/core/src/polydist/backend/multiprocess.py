@@ -15,9 +15,9 @@ This module holds what every such engine needs besides its collectives:
 * the cross-worker collective check: :class:`Pending` (a collective a worker is
   waiting in) and :class:`PeerMissing` (a worker that stopped answering);
 * uneven gathers: :func:`shape_row`, :func:`gathered_sizes`;
-* per-process state: :func:`once_per_process`, :func:`process_capabilities` (the
-  capabilities of a one-process-per-worker engine) and :class:`ReplicaRunners` (one
-  eager runner per worker).
+* per-process state: :func:`once_per_process` and :func:`process_capabilities` (the
+  capabilities of a one-process-per-worker engine). Core runs each worker's replicas
+  itself (``polydist.backend.SupportsReplicaRunner`` configures how).
 """
 
 from polydist._collectives.check import PeerMissing as PeerMissing
@@ -28,7 +28,6 @@ from polydist._distributed.multi_process import DEFAULT_TIMEOUT_SECONDS as DEFAU
 from polydist._distributed.multi_process import HEARTBEAT_SECONDS as HEARTBEAT_SECONDS
 from polydist._distributed.multi_process import ClusterMembership as ClusterMembership
 from polydist._distributed.multi_process import Heartbeat as Heartbeat
-from polydist._distributed.multi_process import ReplicaRunners as ReplicaRunners
 from polydist._distributed.multi_process import check_joining as check_joining
 from polydist._distributed.multi_process import collective_timeout as collective_timeout
 from polydist._distributed.multi_process import describe_workers as describe_workers
@@ -46,7 +45,6 @@ __all__ = [
     "Heartbeat",
     "Pending",
     "PeerMissing",
-    "ReplicaRunners",
     "check_joining",
     "collective_timeout",
     "describe_workers",
