@@ -477,6 +477,14 @@ def test_a_plain_iterable_is_begun_by_iter_and_read_only_in_the_passes_asked_for
     assert source.log == ["iter", "read 1.0"]
     assert [x for r in steps(dist)[0] for x in r] == [0, 1, 2, 3]
     assert source.log == ["iter", "read 1.0", "read 1.1", "read 1.2"]
+    # A generator function is called once per iteration, when the iteration is made.
+    source = Passes([np.arange(4), np.arange(4, 8), np.arange(8, 10)])
+    dist = distribute(replica_count, lambda: iter(source))
+    assert source.log == []
+    iterator = iter(dist)
+    assert source.log == ["iter"]
+    assert len(list(iterator)) == 3
+    assert source.log == ["iter", "read 1.0", "read 1.1", "read 1.2"]
     # Unbatched batches are still an error, raised as they are read.
     with pytest.raises(ValueError, match="not batched"):
         list(distribute(2, Passes([np.float32(1.0)])))  # type: ignore[list-item]

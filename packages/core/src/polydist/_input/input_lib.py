@@ -657,13 +657,11 @@ def _reading_begun_passes(
     if not begun:
         yield
         return
-    saved = dict(_dataset._BEGUN_PASSES)
-    _dataset._BEGUN_PASSES.update(begun)
+    token = _dataset.BEGUN_PASSES.set({**(_dataset.BEGUN_PASSES.get() or {}), **begun})
     try:
         yield
     finally:
-        _dataset._BEGUN_PASSES.clear()
-        _dataset._BEGUN_PASSES.update(saved)
+        _dataset.BEGUN_PASSES.reset(token)
 
 
 def _legacy_split_input(
@@ -725,8 +723,7 @@ def _as_source(dataset: object, what: str) -> tuple[Dataset, bool]:
         )
     if callable(dataset) and not isinstance(dataset, Iterable):
         _check_generator_function(dataset, what)
-        generator = dataset
-        return Dataset.from_generator(lambda: map(_collated, generator())), True
+        return _IterableDataset(_Collated(_Calls(dataset))), True
     if isinstance(dataset, Iterator):  # one-shot: stays one
         return as_dataset(map(_collated, dataset)), True
     if isinstance(dataset, Iterable):
@@ -786,6 +783,18 @@ class _Collated:
 
     def __iter__(self) -> Iterator[Any]:
         return map(_collated, self._source)
+
+
+class _Calls:
+    """A generator function as a re-iterable: each ``iter()`` calls it (one pass)."""
+
+    __slots__ = ("_function",)
+
+    def __init__(self, function: Callable[[], Iterable[Any]]) -> None:
+        self._function = function
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._function())
 
 
 def _check_generator_function(fn: Callable[..., Any], what: str) -> None:

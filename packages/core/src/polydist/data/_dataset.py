@@ -13,11 +13,12 @@ from __future__ import annotations
 import abc
 import builtins
 import collections
+import contextvars
 import copy
 import itertools
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
 import numpy as np
@@ -981,7 +982,9 @@ class _IteratorDataset(_ProducedDataset):
 # The passes over plain iterables that the reader running now began ahead, by
 # id of the _IterableDataset: a DistributedIterator calls iter() on its sources
 # when it is made, as iter() of the source itself would, and its reads take them.
-_BEGUN_PASSES: dict[int, collections.deque[Iterator[Nest]]] = {}
+BEGUN_PASSES: contextvars.ContextVar[Mapping[int, collections.deque[Iterator[Nest]]] | None] = (
+    contextvars.ContextVar("BEGUN_PASSES", default=None)
+)
 
 
 class _IterableDataset(_ProducedDataset):
@@ -1025,7 +1028,8 @@ class _IterableDataset(_ProducedDataset):
         return iter(self._iterable)
 
     def _produce(self) -> Iterator[Nest]:
-        begun = _BEGUN_PASSES.get(id(self))
+        passes = BEGUN_PASSES.get()
+        begun = None if passes is None else passes.get(id(self))
         yield from begun.popleft() if begun else self.begin_pass()
 
     def _iterate(self) -> Iterator[Nest]:
