@@ -301,7 +301,9 @@ def test_tracing_kit_tells_variable_creation_and_replica_writes() -> None:
             return self.inner.merge_call(merge_fn, args, kwargs)
 
     backend = SimBackend()
-    backend.replica_runner = EagerReplicaRunner(wrap_channel=lambda channel, index: Watching(channel))
+    backend.replica_runner = EagerReplicaRunner(
+        wrap_channel=lambda channel, index: Watching(channel)
+    )
     strategy = pd.MirroredStrategy(2, backend=backend)
     with strategy.scope():
         kept = pd.Variable(0.0, aggregation=pd.VariableAggregation.NONE)
