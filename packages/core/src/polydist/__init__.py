@@ -33,6 +33,7 @@ from polydist._collectives.trace import trace as trace
 from polydist._distributed.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
+from polydist._distributed.tpu_strategy import TPUStrategy as TPUStrategy
 from polydist._input.input_lib import DistributedDataset as DistributedDataset
 from polydist._input.input_lib import DistributedIterator as DistributedIterator
 from polydist._input.input_lib import PartialBatchWarning as PartialBatchWarning
@@ -47,7 +48,6 @@ from polydist._strategies.strategy import MirroredStrategy as MirroredStrategy
 from polydist._strategies.strategy import OneDeviceStrategy as OneDeviceStrategy
 from polydist._strategies.strategy import Strategy as Strategy
 from polydist._strategies.strategy import StrategyExtended as StrategyExtended
-from polydist._strategies.tpu_strategy import TPUStrategy as TPUStrategy
 from polydist._valuetypes.indexed_slices import IndexedSlices as IndexedSlices
 from polydist._valuetypes.values import DistributedValues as DistributedValues
 from polydist._valuetypes.values import Mirrored as Mirrored

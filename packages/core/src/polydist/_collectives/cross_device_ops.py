@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from polydist._base import context as _context
 from polydist._base.arrays import (
     check_summable,
     convert_to_array,
@@ -61,7 +62,6 @@ from polydist._base.devices import HOST_DEVICE, canonicalize
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._collectives import trace as _trace
 from polydist._collectives.check import collective_intent
-from polydist._strategies import context as _context
 from polydist._valuetypes import indexed_slices as _indexed_slices
 from polydist._valuetypes.values import DistributedValues, Mirrored, PerReplica, regroup
 from polydist._valuetypes.variables import Variable, _read_operand, read_for_reduce

@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import numpy as np
 import optree
 
+from polydist._base import context as _context
 from polydist._base.arrays import dtype_name, is_floating
 from polydist._base.devices import HOST_DEVICE, DeviceSpec
-from polydist._strategies import context as _context
 from polydist._valuetypes.values import DistributedValues, PerReplica
 from polydist.data._dataset import (
     INFINITE_CARDINALITY,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from polydist._base import context as _base_context
 from polydist._base.arrays import (
     check_summable,
     convert_to_array,
@@ -23,7 +24,11 @@ from polydist._collectives import cross_device_ops as _cross_device_ops
 from polydist._collectives import trace as _trace
 from polydist._strategies import context as _context
 from polydist._strategies.extended_mixin import ExtendedVariablesMixin
-from polydist._strategies.replica_context import ReplicaContext, _check_gather_axis
+from polydist._strategies.replica_context import (
+    ReplicaContext,
+    _check_gather_axis,
+    _DefaultReplicaContext,
+)
 from polydist._valuetypes import indexed_slices as _indexed_slices
 from polydist._valuetypes import nest as _nest
 from polydist._valuetypes import variables as _variables
@@ -814,3 +819,12 @@ def _make_default_strategy() -> Strategy:
     strategy = _DefaultDistributionStrategy.__new__(_DefaultDistributionStrategy)
     Strategy.__init__(strategy, _DefaultExtended(strategy, None, (HOST_DEVICE,)))
     return strategy
+
+
+def _make_default_mode() -> tuple[Strategy, ReplicaContext]:
+    strategy = _make_default_strategy()
+    return strategy, _DefaultReplicaContext(strategy)
+
+
+# The context stack sits below the strategies: it asks here for the default strategy.
+_base_context.set_default_factory(_make_default_mode)

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
+from polydist._base import context as _context
 from polydist._base import scatter as _scatter
 from polydist._base.arrays import (
     convert_to_array,
@@ -73,7 +74,6 @@ from polydist._base.arrays import (
 )
 from polydist._base.devices import HOST_DEVICE
 from polydist._base.reduce_op import ReduceOp
-from polydist._strategies import context as _context
 from polydist._valuetypes import nest as _nest
 from polydist._valuetypes.indexed_slices import IndexedSlices
 from polydist._valuetypes.values import (
@@ -87,8 +87,7 @@ from polydist.backend._contract import Backend, backends_owning, get_backend_for
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from polydist._strategies.replica_context import ReplicaContext
-    from polydist._strategies.strategy import Strategy, StrategyExtended
+    from polydist._base.context import ReplicaContext, Strategy, StrategyExtended
 
 __all__ = [
     "DistributedVariable",
@@ -210,7 +209,7 @@ def _enter_strategy(strategy: Strategy) -> AbstractContextManager[Any]:
     """TF's ``enter_or_assert_strategy``: enter the variable's strategy if none is
     active, accept it if it is the current one, refuse any other."""
     if not _context.has_strategy():
-        return strategy.scope()  # type: ignore[no-any-return]
+        return strategy.scope()
     m = _context.current_mode()
     if m.strategy is not strategy:
         _context.wrong_strategy_scope(strategy, m)

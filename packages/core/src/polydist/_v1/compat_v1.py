@@ -32,6 +32,7 @@ from polydist._base.communication import (
 from polydist._base.reduce_op import ReduceOp
 from polydist._distributed.cluster import normalize_cluster_spec
 from polydist._distributed.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
+from polydist._distributed.tpu_strategy import TPUExtended, TPUStrategy
 from polydist._input.input_lib import DistributedDataset, DistributedIterator, make_numpy_dataset
 from polydist._strategies import context as _context
 from polydist._strategies.strategy import (
@@ -43,7 +44,6 @@ from polydist._strategies.strategy import (
     StrategyExtended,
     _check_reduce_op,
 )
-from polydist._strategies.tpu_strategy import TPUExtended, TPUStrategy
 from polydist._valuetypes import nest as _nest
 from polydist.backend._contract import Backend
 from polydist.cluster_resolver import ClusterResolver, ClusterSpec, TPUClusterResolver
