@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from polydist._collectives import cross_device_ops as _cross_device_ops
-from polydist._strategies import replica_context as _replica_context
 
+from polydist._strategies import replica_context as _replica_context
 from ._support import MutantSim
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from polydist._strategies import eager as _eager
-
 from ._support import MutantSim, is_mutant, patched
 
 _original = _eager._Run._merge_call

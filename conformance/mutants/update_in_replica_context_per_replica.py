@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from polydist._strategies import context as _context
-from polydist._strategies.extended_mixin import ExtendedVariablesMixin
+
 from polydist._valuetypes import variables as _variables
+from polydist._strategies.extended_mixin import ExtendedVariablesMixin
 
 from ._support import MutantSim, is_mutant
 
