@@ -46,6 +46,9 @@ class StrategyExtended(Protocol):
     @property
     def _devices(self) -> tuple[str, ...]: ...
 
+    @property
+    def worker_devices(self) -> tuple[str, ...]: ...
+
     def _container_strategy(self) -> Strategy: ...
 
     def _local_results(self, value: Any) -> tuple[Any, ...]: ...
@@ -171,6 +174,11 @@ def mode(
 
 def is_default_mode(m: _Mode) -> bool:
     return not _stack.get() or m is _get_default_mode()
+
+
+def is_default_strategy(strategy: Strategy) -> bool:
+    """Whether ``strategy`` is the default strategy (or a copy of it)."""
+    return isinstance(strategy.extended, type(_get_default_mode().strategy.extended))
 
 
 def get_strategy() -> Strategy:

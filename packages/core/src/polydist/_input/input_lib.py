@@ -71,7 +71,7 @@ from polydist.data._spec import TensorSpec
 from polydist.errors import InvalidArgumentError, OutOfRangeError
 
 if TYPE_CHECKING:
-    from polydist._strategies.strategy import Strategy
+    from polydist._base.context import Strategy
     from polydist.backend._contract import Backend
 
 __all__ = [
@@ -246,9 +246,7 @@ class _Layout(NamedTuple):
 
 
 def _is_default_strategy(strategy: Strategy) -> bool:
-    from polydist._strategies.strategy import _DefaultExtended
-
-    return isinstance(strategy.extended, _DefaultExtended)
+    return _context.is_default_strategy(strategy)
 
 
 def _layout(strategy: Strategy) -> _Layout:

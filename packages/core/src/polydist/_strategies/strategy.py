@@ -11,6 +11,7 @@ import numpy as np
 
 from polydist._base import context as _base_context
 from polydist._base.arrays import (
+    check_same_shape,
     check_summable,
     convert_to_array,
     describe,
@@ -218,7 +219,7 @@ class StrategyExtended(ExtendedVariablesMixin):
         if any(isinstance(v, IndexedSlices) for v in value.values):
             return self._reduce_indexed_slices(reduce_op, value.values, destinations)
         components = [convert_to_array(v) for v in value.values]
-        _check_same_shape(components, "reduce")
+        check_same_shape(components, "reduce")
         if len(components) == 1 and not self._replica_group(1).across_processes:
             return self._to_destinations(components[0], destinations)
         if self._cross_device_ops is not None:  # TF: the strategy's CrossDeviceOps reduces
@@ -636,18 +637,6 @@ def _equals_zero(x: Any) -> bool:
         return bool(x == 0)
     except (TypeError, ValueError):
         return False
-
-
-def _check_same_shape(components: Sequence[Any], what: str) -> None:
-    first = components[0]
-    for r, c in enumerate(components[1:], start=1):
-        if tuple(c.shape) != tuple(first.shape) or c.dtype != first.dtype:
-            raise InvalidArgumentError(
-                f"Cannot {what} across replicas: replica 0 has {describe(first)} but replica {r} "
-                f"has {describe(c)}. With axis=None every replica's value must have the same "
-                "shape and dtype; to reduce values of different lengths pass an axis, e.g. "
-                "strategy.reduce(op, value, axis=0)."
-            )
 
 
 def _check_gather_shapes(components: Sequence[Any], axis: int, *, same_shape: bool) -> None:

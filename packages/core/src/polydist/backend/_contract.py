@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from polydist._base.communication import CommunicationOptions
     from polydist._base.reduce_op import ReduceOp
     from polydist._strategies.strategy import StrategyExtended
-    from polydist.cluster_resolver import ClusterResolver
+    from polydist.cluster_resolver._base import ClusterResolver
     from polydist.tpu import LocalTPUSystem
 
 __all__ = [
