@@ -50,9 +50,9 @@ from polydist.data._dataset import (
     _OptionsDataset,
     _PrefetchDataset,
     _ShardDataset,
-    _SpecInferenceError,
     as_dataset,
 )
+from polydist.data._elements import _SpecInferenceError
 from polydist.data._input import (
     InputContext,
     InputOptions,
