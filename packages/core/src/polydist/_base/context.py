@@ -3,7 +3,7 @@
 This module sits below the strategies, values and variables that all ask it where
 they are, so it knows a strategy and a replica context only by the protocols below;
 ``polydist._strategies.context`` gives the same functions with the concrete types
-(``polydist.get_strategy`` and friends), and ``polydist._strategies.strategy``
+(``polydist.get_strategy`` and friends), and ``polydist._strategies.mirrored``
 registers how to make the default strategy (:func:`set_default_factory`).
 
 Mirrors TF's ``distribute_lib`` modes. There are three:
@@ -127,7 +127,7 @@ _default_factory: Callable[[], tuple[Strategy, ReplicaContext]] | None = None
 
 def set_default_factory(factory: Callable[[], tuple[Strategy, ReplicaContext]]) -> None:
     """How to make the default strategy and its replica context (made on first use);
-    ``polydist._strategies.strategy`` registers it when it is imported."""
+    ``polydist._strategies.mirrored`` registers it when it is imported."""
     global _default_factory
     _default_factory = factory
 
