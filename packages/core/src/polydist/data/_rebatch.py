@@ -39,15 +39,14 @@ from polydist.data._dataset import (
     UNKNOWN_CARDINALITY,
     Dataset,
     _BatchDataset,
-    _check_batched,
     _FileDataset,
     _IterableDataset,
     _OptionsDataset,
     _PrefetchDataset,
     _ShardDataset,
-    _SpecInferenceError,
     as_dataset,
 )
+from polydist.data._elements import _check_batched, _SpecInferenceError
 from polydist.data._nest import Nest, flatten, map_structure, to_array, unflatten
 from polydist.data._options import AutoShardPolicy
 from polydist.data._spec import TensorSpec, empty_batch, leading_dims
