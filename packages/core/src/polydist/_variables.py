@@ -31,6 +31,12 @@ context has no Python replica index; while it traces it enters
 then acts as the component it names (and ``StrategyExtended.update`` hands
 its per-component results to the backend before regrouping them).
 
+A backend whose ``place(value, device)`` always returns a new array for a NumPy
+``value`` (never a view of it) says so with a class attribute
+``place_copies_host_arrays = True``: a variable made from a NumPy array is then
+placed from that array directly (the variable still never shares memory with its
+initial value), not from a host copy of it, so making it holds its value once.
+
 A backend may also decide what a value write stores, with an optional method
 ``store_variable(stored, new) -> array`` (``stored``: what the component holds
 now, ``None`` when it is created; ``new``: the new value, a fresh array). Core
@@ -412,6 +418,12 @@ def _copy(array: Any, xp: Any) -> Any:
     return xp.asarray(array, copy=True)
 
 
+def _places_copies(backend: Backend) -> bool:
+    """Whether ``backend.place`` always makes a new array of a NumPy array (the
+    backend's optional ``place_copies_host_arrays`` attribute; see the module docstring)."""
+    return bool(getattr(backend, "place_copies_host_arrays", False))
+
+
 def _stored(backend: Backend, stored: Any, new: Any) -> Any:
     """What a component stores when its value becomes ``new``: the backend's optional
     ``store_variable(stored, new)`` decides (see the module docstring), else ``new``."""
@@ -454,6 +466,10 @@ def _initial_array(initial_value: Any, dtype: Any, backend: Backend, name: str |
             "variable cannot hold; use bool, integer, floating or complex values."
         )
     if dtype is None:
+        if isinstance(source, np.ndarray) and _places_copies(backend):
+            # The backend's place() makes the variable's own copy: a host copy first
+            # would hold the state twice while the variable is made.
+            return source
         return _copy(source, xp)
     target = _resolve_dtype(dtype, xp)
     dst_kind = _kind(target, xp)
@@ -1535,7 +1551,13 @@ def create_variable(
     base = name or "Variable"
     components: list[Variable] = []
     for i, device in enumerate(devices):
-        placed = backend.place(array if i == 0 else _copy(host, xp), device)
+        if i == 0:
+            source = array
+        elif isinstance(host, np.ndarray) and _places_copies(backend):
+            source = host  # place() copies it
+        else:
+            source = _copy(host, xp)
+        placed = backend.place(source, device)
         if i and placed.dtype != components[0].dtype:
             # to_numpy may widen dtypes NumPy lacks (torch's bfloat16 -> float32 where
             # ml_dtypes is not installed).
