@@ -153,8 +153,8 @@ def compare(
         result["ratio_device"] = device_ratio
     print(
         f"memory, {megabytes} MB state, 1 replica, {steps + 1} steps: peak RSS "
-        f"polydist {result['peak_rss_mb']['polydist']:.0f} MB, hand-written "
-        f"{result['peak_rss_mb']['hand']:.0f} MB, ratio {ratio:.3f}; over the steps: "
+        f"{contestants[1]} {pd_['peak_kb'] / 1024:.0f} MB, {contestants[0]} "
+        f"{hand['peak_kb'] / 1024:.0f} MB, ratio {ratio:.3f}; over the steps: "
         f"ratio {steps_ratio if steps_ratio is None else round(steps_ratio, 3)}"
         + (f"; device peak ratio {device_ratio:.3f}" if device_ratio is not None else "")
     )

@@ -58,6 +58,14 @@ hand-written step, Fabric 1.01x and Accelerate 1.03x: level with Accelerate and
 about 2% **behind** Fabric (the first run, before `step()` stopped summing the
 gradients of a single replica, had polydist at 1.05x). Differences of a few
 percent are within this shared machine's noise.
+
+The memory rows of `jax-cpu` and `torch-cpu` (`benchmarks/_memory.py`, run
+alone with `--memory-only`) compare peak memory, not time: one fresh process
+per contestant holds a 400 MB float32 variable (torch: and a delta of its size)
+and runs 4 update steps; the ratio is polydist's peak RSS over the hand-written
+code's (`jax.jit(..., donate_argnums=0)`; `x.add_(delta)`), for the whole
+process and for the steps alone. On a GPU the scripts also compare the device's
+peak bytes in use; no GPU figures have been recorded for memory yet.
 """
 
 

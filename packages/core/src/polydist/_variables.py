@@ -48,6 +48,21 @@ detach values from autograd and to copy a new value *into* a stored
 parameter keeps seeing the variable's storage (``polydist_torch.parameters``).
 :func:`swap_storage` never calls it: it always swaps the arrays themselves.
 
+A backend may apply ``assign_add`` and ``assign_sub`` to the stored array
+itself, with an optional method ``update_in_place(stored, op, delta, *,
+exclusive) -> bool`` (``op``: ``"add"`` or ``"subtract"``; ``delta``: of the
+variable's dtype, shape and device, never to be modified; ``exclusive``: no
+Python reference to ``stored`` exists but the variable's). It returns True
+when it has updated ``stored``, bit for bit as storing ``op(stored, delta)``
+would, and False to let core store a new array. TF's rule for a resource
+variable's buffer is the backend's: update in place only where nothing else
+can observe the old value (``exclusive``, and no view, export or autograd
+record of the memory that the backend can see), else copy; an array a user
+read before the update keeps its value. (Storage documented to alias, the
+torch backend's ``torch.nn.Parameter``, is updated in place regardless, as it
+already is by ``store_variable``.) Without the hook, or when it returns False,
+the update stores ``op(stored, delta)``, a new array.
+
 Sparse writes (``scatter_*``, ``scatter_nd_*``, ``batch_scatter_update``) are
 computed on the host with NumPy (``polydist._scatter``: TF's CPU kernels, one
 index after the other) and stored like an ``assign``. Where the storage holds
@@ -569,6 +584,21 @@ _assign_fn = _UPDATE_FNS["assign"]
 _DELTA_OPS = {"assign_add": "add", "assign_sub": "subtract"}
 
 
+class _RefProbe:
+    """`Variable._holds_alone`'s count for an array held by its variable only: the same
+    attribute read in the same kind of method, so the interpreter's own references
+    (the call's argument) count alike."""
+
+    def __init__(self) -> None:
+        self._array = object()
+
+    def count(self) -> int:
+        return sys.getrefcount(self._array)
+
+
+_ALONE = _RefProbe().count()
+
+
 class Variable(metaclass=_VariableMeta):
     """A mutable array: TF's ``tf.Variable`` for polydist.
 
@@ -769,12 +799,31 @@ class Variable(metaclass=_VariableMeta):
     def _write(self, method: str, value: Any, read_value: bool) -> Any:
         """``assign``, ``assign_add`` or ``assign_sub`` of this single copy (a distributed
         variable overrides it to apply TF's context and aggregation rules)."""
-        new = self._coerce(value, method)
-        if method in _DELTA_OPS:
+        if method not in _DELTA_OPS:
+            self._write_storage(self._coerce(value, method))
+            return self._result(read_value)
+        # A delta is only read (TF: the input to an update is never modified): no copy.
+        delta = self._coerce(value, method, copy=False)
+        op = _DELTA_OPS[method]
+        if not self._update_in_place(op, delta):
             xp = self._backend.array_namespace()
-            new = self._place(getattr(xp, _DELTA_OPS[method])(self._array, new))
-        self._write_storage(new)
+            self._write_storage(self._place(getattr(xp, op)(self._array, delta)))
         return self._result(read_value)
+
+    def _update_in_place(self, op: str, delta: Any) -> bool:
+        """Whether the backend's optional ``update_in_place`` hook applied ``op`` to the
+        stored array itself (see the module docstring)."""
+        update = getattr(self._backend, "update_in_place", None)
+        if update is None:
+            return False
+        # Counted before the stored array is passed on (an argument is one more reference).
+        exclusive = self._holds_alone()
+        return bool(update(self._array, op, delta, exclusive=exclusive))
+
+    def _holds_alone(self) -> bool:
+        """Whether no Python reference to the stored array exists but this variable's
+        own (no array a user kept from ``value()``, no other variable storing it)."""
+        return sys.getrefcount(self._array) <= _ALONE
 
     # -- sparse writes (TF's scatter_* methods) ---------------------------------------------
     def scatter_add(
@@ -920,8 +969,9 @@ class Variable(metaclass=_VariableMeta):
             placed = np.asarray(placed)
         return placed
 
-    def _coerce(self, value: Any, op: str) -> Any:
-        """``value`` as a new array of this variable's dtype and shape, on its device."""
+    def _coerce(self, value: Any, op: str, copy: bool = True) -> Any:
+        """``value`` as an array of this variable's dtype and shape, on its device: a new
+        one, or with ``copy=False`` possibly ``value`` itself (to be read, never stored)."""
         xp = self._backend.array_namespace()
         value = _read_operand(value)
         target = self._array.dtype
@@ -945,7 +995,9 @@ class Variable(metaclass=_VariableMeta):
                 f"{self._name!r} of shape {self.shape}: shapes must be equal (variables do not "
                 "broadcast). Reshape the value, e.g. to the variable's shape."
             )
-        array = xp.asarray(value if python_value else source, dtype=target, copy=True)
+        array = xp.asarray(
+            value if python_value else source, dtype=target, copy=True if copy else None
+        )
         return self._place(array)
 
     # -- Python protocols --------------------------------------------------------------------
