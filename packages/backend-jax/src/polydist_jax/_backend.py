@@ -50,7 +50,7 @@ class JaxBackend:
     name = "jax"
     version = _VERSION
     # place() copies a NumPy array (`_collectives.host_copy`): core makes a variable
-    # from one without a host copy first (see polydist._variables).
+    # from one without a host copy first (see polydist._valuetypes.variables).
     place_copies_host_arrays = True
 
     def __init__(

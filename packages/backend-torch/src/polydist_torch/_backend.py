@@ -215,7 +215,7 @@ class TorchBackend:
 
     def update_in_place(self, stored: Any, op: str, delta: Any, *, exclusive: bool) -> bool:
         """``assign_add`` / ``assign_sub`` written into the stored tensor itself
-        (core's optional hook, see ``polydist._variables``), as hand-written
+        (core's optional hook, see ``polydist._valuetypes.variables``), as hand-written
         ``p.add_(delta)`` does: a step holds its state once, not twice.
 
         Only where nothing else can see the old value: no Python reference to the
