@@ -17,8 +17,9 @@ a distributed variable). A distributed variable holds its components, in
 replica order, in ``values`` (a tuple that never changes). Core code reads
 storage only through ``Variable._read_storage()`` and writes it only through
 ``Variable._write_storage(new_array)``, and never mutates a stored array in
-place: every update stores a new array. On the simulator stored arrays are
-made read-only to enforce that.
+place: every update stores a new array (a backend's ``update_in_place`` hook,
+below, may write into one). On the simulator stored arrays are made read-only
+to enforce that.
 
 A backend that traces the replica function (JAX) can therefore functionalize
 variables without knowing their classes: before tracing, swap each
