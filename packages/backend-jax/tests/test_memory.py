@@ -110,3 +110,13 @@ def test_a_value_read_between_steps_in_cross_replica_context_stays_valid() -> No
     assert [np.asarray(r).tolist() for r in reads] == [[1.0, 1.0]] * 4
     assert [c.value().tolist() for c in local] == [[3.0, 3.0]] * N
     assert v.numpy().tolist() == [3.0, 3.0]
+
+
+def test_placing_a_numpy_array_while_a_program_is_traced() -> None:
+    # Inside a trace (a compiled step across processes places host constants) the
+    # placed value is a tracer with no buffer to compare with the host array's.
+    from polydist_jax._collectives import host_copy
+
+    device = jax.devices()[0]
+    out = jax.jit(lambda: host_copy(np.full(3, 1.5, np.float32), device) * 2)()
+    assert out.tolist() == [3.0, 3.0, 3.0]

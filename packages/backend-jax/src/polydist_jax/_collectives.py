@@ -75,6 +75,7 @@ def host_copy(value: np.ndarray, device: jax.Device) -> Any:
     if (
         device.platform == "cpu"
         and value.size
+        and not is_tracer(placed)  # placed while a program is traced: no buffer
         and placed.unsafe_buffer_pointer() == value.__array_interface__["data"][0]
     ):
         placed = placed.copy()
