@@ -14,7 +14,7 @@ import torch.utils.dlpack
 
 import polydist as pd
 import polydist_torch
-from polydist._valuetypes.variables import storage_arrays
+from polydist.backend.tracing import storage_arrays
 from polydist_torch import TorchBackend
 
 N = 4
