@@ -22,10 +22,12 @@ Each contestant's ratio is the median over rounds of (its step / the hand-writte
 step in the same round); polydist's compiles after its first step are counted
 (target 0). Also the cost of ``run`` itself: a trivial ``all_reduce(x * 2)`` on 4
 floats per replica, polydist vs the hand-written jit(shard_map(psum)), on 1 and on
-every device. And memory: peak RSS (``ru_maxrss``) of a fresh process per
-contestant that adds 1 to one float32 variable of ``--memory-mb`` MB three times,
-1 replica: polydist (``v.assign_add`` in ``strategy.run``) against
-``jax.jit(..., donate_argnums=0)``.
+every device. And memory (``_memory``): peak RSS of a fresh process per
+contestant whose state is one float32 variable of ``--memory-mb`` MB that each of
+4 steps adds 1 to, 1 replica: polydist (``v.assign`` in ``strategy.run``) against
+``jax.device_put`` + ``jax.jit(..., donate_argnums=0)``; on a GPU also the
+device's ``memory_stats()["peak_bytes_in_use"]``. ``--memory-only`` measures only
+that and updates the memory part of an earlier run's results file.
 
 ``python benchmarks/bench_jax.py`` uses every device of JAX's default platform; on
 CPU it sets ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (8 fake devices)
@@ -36,11 +38,8 @@ No timing is asserted anywhere.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -60,6 +59,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _memory
 from _common import machine, write_results
 
 import polydist as pd
@@ -76,7 +76,7 @@ GLOBAL_BATCH = 1024
 LR = 0.01
 STEP_TARGET = 1.02  # MLP step, polydist / hand-written, on 8 CPU devices
 TRIVIAL_TARGET = 2.0  # trivial run, polydist / hand-written
-MEMORY_TARGET = 1.1  # peak RSS, polydist / hand-written with donation
+MEMORY_STEPS = 3  # memory: steps after the first (compiling) one
 
 
 def init_params(seed: int) -> list[np.ndarray]:
@@ -365,104 +365,67 @@ def pd_device(device: Any) -> str:
 # --------------------------------------------------------------------------- memory
 
 
-def _peak_kb() -> int:
-    """This process's peak RSS since the last `_reset_peak` (VmHWM), in KiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-
-
-def _reset_peak() -> bool:
-    try:  # Linux: "5" resets the peak RSS (VmHWM) to the current RSS
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
 def memory_child(contestant: str, megabytes: int, steps: int) -> None:
-    """One contestant in this fresh process: prints its peak RSS as JSON, over the
-    whole process (``ru_maxrss``: the first step's compile included) and over the
-    steps after the first (VmHWM reset after it, where Linux allows)."""
-    size = megabytes * 1024 * 1024 // 4
+    """One contestant in this fresh process (see ``_memory``): the state one float32
+    array; a step adds 1 to it. ``hand``: ``jax.device_put`` and
+    ``jax.jit(..., donate_argnums=0)``; ``polydist``: a ``pd.Variable`` written in
+    ``strategy.run`` (1 replica)."""
+    device = jax.devices()[0]
+
+    def device_peak() -> int | None:
+        if device.platform == "cpu":
+            return None  # XLA:CPU keeps no memory_stats; RSS is the figure
+        stats = device.memory_stats() or {}
+        peak = stats.get("peak_bytes_in_use")
+        return None if peak is None else int(peak)
+
     if contestant == "hand":
         hand = jax.jit(lambda a: a + 1, donate_argnums=0)
-        state = {"x": jnp.asarray(np.zeros(size, np.float32))}
 
-        def step() -> None:
-            state["x"] = hand(state["x"])
-            block(state["x"])
+        def make(size: int) -> Any:
+            return block(jax.device_put(np.zeros(size, np.float32), device))
 
-        def value() -> float:
-            return float(state["x"][0])
+        def step(x: Any) -> Any:
+            return block(hand(x))
+
+        def check(x: Any) -> float:
+            return float(x[0])
 
     else:
-        strategy = pd.MirroredStrategy(backend=JaxBackend())
-        with strategy.scope():
-            v = pd.Variable(np.zeros(size, np.float32))
+        strategy = pd.MirroredStrategy(1, backend=JaxBackend())
 
-        def add_one() -> None:
-            v.assign(v.value() + 1, read_value=False)
-
-        def step() -> None:
-            strategy.run(add_one)
+        def make(size: int) -> Any:
+            with strategy.scope():
+                v = pd.Variable(np.zeros(size, np.float32))
             block(v.values[0].value())
+            return v
 
-        def value() -> float:
-            return float(v.values[0].numpy()[0])
+        def step(v: Any) -> Any:
+            strategy.run(lambda: v.assign(v.value() + 1, read_value=False))
+            block(v.values[0].value())
+            return v
 
-    before = _peak_kb()
-    step()  # compiles
-    reset = _reset_peak()
-    after_first = _peak_kb()
-    for _ in range(steps):
-        step()
-    steady = _peak_kb()
-    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    assert value() == steps + 1, value()
-    print(
-        json.dumps(
-            {
-                "peak_kb": peak,
-                "before_steps_kb": before,
-                "steps_peak_kb": steady if reset else None,
-                "after_first_step_kb": after_first,
-            }
-        )
-    )
+        def check(v: Any) -> float:
+            return float(v.values[0].value()[0])  # one element (numpy() copies it all)
+
+    _memory.child(make, step, check, megabytes, steps, device_peak)
 
 
-def memory(megabytes: int, steps: int = 3) -> dict[str, Any]:
+def memory(megabytes: int, steps: int = MEMORY_STEPS) -> dict[str, Any]:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    peaks: dict[str, Any] = {}
-    for contestant in ("hand", "polydist"):
-        out = subprocess.run(
-            [sys.executable, __file__, "--memory-child", contestant, "--memory-mb", str(megabytes)],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=600,
-        )
-        peaks[contestant] = json.loads(out.stdout.strip().splitlines()[-1])
-    ratio = peaks["polydist"]["peak_kb"] / peaks["hand"]["peak_kb"]
-    steady = [peaks[k]["steps_peak_kb"] for k in ("polydist", "hand")]
-    steps_ratio = steady[0] / steady[1] if all(steady) else None
-    print(
-        f"memory, {megabytes} MB variable + 1, 1 replica: peak RSS polydist "
-        f"{peaks['polydist']['peak_kb'] / 1024:.0f} MB, hand-written jit(donate_argnums=0) "
-        f"{peaks['hand']['peak_kb'] / 1024:.0f} MB, ratio {ratio:.2f}; over the {steps} steps "
-        f"after the first: ratio {steps_ratio if steps_ratio is None else round(steps_ratio, 3)}"
-    )
+    return _memory.compare(__file__, megabytes, env, steps)
+
+
+def memory_row(mem: dict[str, Any], device: str) -> dict[str, Any]:
     return {
-        "variable_mb": megabytes,
-        "steps_after_the_first": steps,
-        "peak_rss_mb": {k: v["peak_kb"] / 1024 for k, v in peaks.items()},
-        "before_first_step_mb": {k: v["before_steps_kb"] / 1024 for k, v in peaks.items()},
-        "steps_peak_rss_mb": {k: (v["steps_peak_kb"] or 0) / 1024 for k, v in peaks.items()},
-        "ratio": ratio,
-        "ratio_steps_after_the_first": steps_ratio,
+        "case": f"peak RSS, {mem['variable_mb']} MB variable += 1 ({mem['steps']} steps, "
+        "the first compiling) / hand-written jit(donate_argnums=0); over the steps: "
+        f"{mem['ratio_steps'] if mem['ratio_steps'] is None else round(mem['ratio_steps'], 3)}"
+        + (f"; device peak: {mem['ratio_device']:.3f}" if "ratio_device" in mem else ""),
+        "device": device,
+        "ratio": mem["ratio"],
+        "target": mem["target"],
+        "met": mem["met"],
     }
 
 
@@ -475,9 +438,20 @@ def main() -> int:
     parser.add_argument("--trivial-repeats", type=int, default=500)
     parser.add_argument("--memory-mb", type=int, default=400)
     parser.add_argument("--memory-child", choices=["hand", "polydist"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="measure memory only and update that part of an earlier run's results file",
+    )
     args = parser.parse_args()
     if args.memory_child:
-        memory_child(args.memory_child, args.memory_mb, 3)
+        memory_child(args.memory_child, args.memory_mb, MEMORY_STEPS)
+        return 0
+    if args.memory_only:
+        platform = jax.devices()[0].platform
+        one = "1 x CPU" if platform == "cpu" else f"1 x {jax.devices()[0].device_kind}"
+        mem = memory(args.memory_mb)
+        print(f"wrote {_memory.merge(f'jax-{platform}', mem, memory_row(mem, one))}")
         return 0
 
     devices = jax.devices()
@@ -529,16 +503,7 @@ def main() -> int:
                 "met": bool(t["ratio"] <= TRIVIAL_TARGET),
             }
         )
-    ratios.append(
-        {
-            "case": f"peak RSS, {args.memory_mb} MB variable += 1 (3 steps) / hand-written "
-            "jit(donate_argnums=0)",
-            "device": "1 x CPU" if platform == "cpu" else one,
-            "ratio": mem["ratio"],
-            "target": f"<= {MEMORY_TARGET}",
-            "met": bool(mem["ratio"] <= MEMORY_TARGET),
-        }
-    )
+    ratios.append(memory_row(mem, "1 x CPU" if platform == "cpu" else one))
     payload = {
         "benchmark": "JAX backend: the MLP training step (512 -> 512 -> 512 -> 1, batch 1024, "
         "SGD) with polydist (params passed in; pd.Variables), hand-written "
@@ -559,8 +524,11 @@ def main() -> int:
         "memory": mem,
         "ratios": ratios,
         "target": f"MLP step ratio <= {step_target} and 0 recompiles after the first step; "
-        f"trivial run ratio <= {TRIVIAL_TARGET}; peak memory ratio <= {MEMORY_TARGET}; "
+        f"trivial run ratio <= {TRIVIAL_TARGET}; peak memory ratio <= {_memory.TARGET}; "
         "polydist at or ahead of Keras 3 DataParallel",
+        "timing_target_met": all(
+            r.get("met", True) for r in ratios if not _memory.is_memory_row(r)
+        ),
         "target_met": all(r.get("met", True) for r in ratios),
     }
     path = write_results(f"jax-{platform}", payload)

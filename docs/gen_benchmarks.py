@@ -68,6 +68,14 @@ multi-process mesh). Its ratios are the faster hand-written step's time over
 polydist's (higher is better). Two processes on the 2 shared cores make these
 the noisiest rows: see
 [Running on several hosts](multi-host.md#what-is-not-bounded-and-other-limits).
+
+The memory rows of `jax-cpu` and `torch-cpu` (`benchmarks/_memory.py`, run
+alone with `--memory-only`) compare peak memory, not time: one fresh process
+per contestant holds a 400 MB float32 variable (torch: and a delta of its size)
+and runs 4 update steps; the ratio is polydist's peak RSS over the hand-written
+code's (`jax.jit(..., donate_argnums=0)`; `x.add_(delta)`), for the whole
+process and for the steps alone. On a GPU the scripts also compare the device's
+peak bytes in use; no GPU figures have been recorded for memory yet.
 """
 
 

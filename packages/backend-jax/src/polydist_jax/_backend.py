@@ -50,6 +50,9 @@ class JaxBackend:
 
     name = "jax"
     version = _VERSION
+    # place() copies a NumPy array (`_collectives.host_copy`): core makes a variable
+    # from one without a host copy first (see polydist._valuetypes.variables).
+    place_copies_host_arrays = True
 
     def __init__(
         self,
@@ -201,6 +204,8 @@ class JaxBackend:
     def place(self, value: Any, device: str) -> Any:
         if is_tracer(value):
             return value
+        if isinstance(value, np.ndarray):  # a copy, never a view (place_copies_host_arrays)
+            return _collectives.host_copy(value, _devices.jax_device(device))
         return _collectives.on_device(value, _devices.jax_device(device))
 
     def place_per_replica(self, values: Sequence[Any], devices: Sequence[str]) -> list[Any]:

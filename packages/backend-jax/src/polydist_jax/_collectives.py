@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from polydist_jax._devices import jax_device
@@ -60,6 +61,25 @@ def on_device(value: Any, device: jax.Device) -> Any:
     ):
         return value
     return jax.device_put(value, device)
+
+
+def host_copy(value: np.ndarray, device: jax.Device) -> Any:
+    """A NumPy array as a new jax.Array on ``device`` that never shares its memory.
+
+    XLA:CPU takes a suitably aligned host buffer as it is (zero-copy), and jax 0.10's
+    ``device_put(..., may_alias=False)`` still does: the array would change when the
+    caller writes into theirs. Such a buffer is copied once more, on the device. A
+    device_put that copies (any other buffer, any accelerator) is the one copy.
+    """
+    placed = jax.device_put(value, device)
+    if (
+        device.platform == "cpu"
+        and value.size
+        and not is_tracer(placed)  # placed while a program is traced: no buffer
+        and placed.unsafe_buffer_pointer() == value.__array_interface__["data"][0]
+    ):
+        placed = placed.copy()
+    return placed
 
 
 def reduce_to(values: Sequence[Any], destination: str) -> Any:

@@ -94,6 +94,7 @@ from polydist.backend.multiprocess import (
 )
 from polydist.cluster_resolver import ClusterResolver
 from polydist.experimental import CommunicationOptions
+from polydist_jax import _collectives
 from polydist_jax._backend import JaxBackend
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
 from polydist_jax._spmd import CompiledRunner, _Mesh
@@ -838,6 +839,8 @@ class JaxProcessBackend(JaxBackend):
         target = self._jax_device(device)
         if isinstance(value, jax.Array) and value.sharding.device_set == {target}:
             return value
+        if isinstance(value, np.ndarray):  # a copy, never a view (place_copies_host_arrays)
+            return _collectives.host_copy(value, target)
         return jax.device_put(value, target)
 
     # -- the cluster -------------------------------------------------------------------------

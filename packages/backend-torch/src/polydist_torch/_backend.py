@@ -66,6 +66,9 @@ class TorchBackend:
 
     name = "torch"
     version = _VERSION
+    # place() copies a NumPy array (a private C-ordered copy, or one through pinned
+    # memory to a GPU): core makes a variable from one without a host copy first.
+    place_copies_host_arrays = True
 
     def __init__(
         self,
@@ -211,6 +214,45 @@ class TorchBackend:
             return stored
         return new
 
+    def update_in_place(self, stored: Any, op: str, delta: Any, *, exclusive: bool) -> bool:
+        """``assign_add`` / ``assign_sub`` written into the stored tensor itself
+        (core's optional hook, see ``polydist._valuetypes.variables``), as hand-written
+        ``p.add_(delta)`` does: a step holds its state once, not twice.
+
+        Only where nothing else can see the old value: no Python reference to the
+        tensor but the variable's (``exclusive``), no other tensor on its memory (a
+        view, ``t.numpy()``, a DLPack export) and no autograd record of it (a
+        graph not yet run backward). Otherwise the update stores a new tensor (TF's
+        copy on write), so a tensor read before the update keeps its value. A
+        ``torch.nn.Parameter`` (``polydist_torch.parameters``) is updated in place
+        regardless: it is the live parameter by design.
+        """
+        if not (isinstance(stored, torch.Tensor) and isinstance(delta, torch.Tensor)):
+            return False
+        if (
+            stored.device.type not in ("cpu", "cuda")  # torch-xla: functional anyway
+            or stored.layout is not torch.strided
+            or stored.is_conj()
+            or stored.is_neg()
+            or (delta.device, delta.dtype) != (stored.device, stored.dtype)
+            or delta.shape != stored.shape
+            or (stored.is_inference() and not torch.is_inference_mode_enabled())
+        ):
+            return False
+        if isinstance(stored, torch.nn.Parameter):
+            if _same_memory(stored, delta):
+                return False
+        elif stored.requires_grad or not (exclusive and _tensor_alone(stored)):
+            return False
+        with torch.no_grad():
+            if op == "add":
+                stored.add_(delta)
+            elif op == "subtract":
+                stored.sub_(delta)
+            else:
+                return False
+        return True
+
     # -- collectives -----------------------------------------------------------------
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:
         return _collectives.all_reduce(_tensors(values), destinations, self.reduction)
@@ -226,6 +268,32 @@ class TorchBackend:
     def broadcast(self, value: Any, destinations: Sequence[str]) -> list[Any]:
         tensor = value if isinstance(value, torch.Tensor) else self.place(value, "/cpu:0")
         return _collectives.broadcast(tensor, destinations, self.reduction)
+
+
+def _storage_refs(tensor: torch.Tensor) -> int | None:
+    """References to ``tensor``'s memory (torch's private counts; None without them)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return int(count(tensor.untyped_storage()._cdata))
+
+
+def _tensor_alone(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the only holder of its memory: no other tensor (a view), no
+    NumPy array or DLPack capsule on it, no autograd node that saved it."""
+    use_count = getattr(tensor, "_use_count", None)
+    storage = _storage_refs(tensor)
+    if use_count is None or storage is None or _STORAGE_ALONE is None:
+        return False  # torch's private counts are gone: never in place
+    return int(use_count()) == 1 and storage <= _STORAGE_ALONE
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+#: `_storage_refs` of a tensor alone (its own reference, and the call's storage object).
+_STORAGE_ALONE = _storage_refs(torch.zeros(1))
 
 
 class TorchReplicaRunner(EagerReplicaRunner):

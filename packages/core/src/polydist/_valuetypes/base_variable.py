@@ -9,6 +9,7 @@ a variable's stored arrays. The module docstring of
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ from polydist._valuetypes.values import (
 )
 from polydist.backend._contract import (
     Backend,
+    SupportsUpdateInPlace,
+    features,
     get_backend_for_value,
 )
 from polydist.errors import InvalidArgumentError
@@ -46,6 +49,7 @@ from polydist._valuetypes.variable_basics import (
     _foreign_value,
     _freeze,
     _kind,
+    _places_copies,
     _refuse_traced,
     _resolve_dtype,
     _sparse_delta,
@@ -159,6 +163,10 @@ def _initial_array(initial_value: Any, dtype: Any, backend: Backend, name: str |
             "variable cannot hold; use bool, integer, floating or complex values."
         )
     if dtype is None:
+        if isinstance(source, np.ndarray) and _places_copies(backend):
+            # The backend's place() makes the variable's own copy: a host copy first
+            # would hold the state twice while the variable is made.
+            return source
         return _copy(source, xp)
     target = _resolve_dtype(dtype, xp)
     dst_kind = _kind(target, xp)
@@ -218,6 +226,21 @@ _UPDATE_FNS = {
 _assign_fn = _UPDATE_FNS["assign"]
 # assign_add / assign_sub: the array API function that combines value and delta.
 _DELTA_OPS = {"assign_add": "add", "assign_sub": "subtract"}
+
+
+class _RefProbe:
+    """`Variable._holds_alone`'s count for an array held by its variable only: the same
+    attribute read in the same kind of method, so the interpreter's own references
+    (the call's argument) count alike."""
+
+    def __init__(self) -> None:
+        self._array = object()
+
+    def count(self) -> int:
+        return sys.getrefcount(self._array)
+
+
+_ALONE = _RefProbe().count()
 
 
 class Variable(metaclass=_VariableMeta):
@@ -420,12 +443,32 @@ class Variable(metaclass=_VariableMeta):
     def _write(self, method: str, value: Any, read_value: bool) -> Any:
         """``assign``, ``assign_add`` or ``assign_sub`` of this single copy (a distributed
         variable overrides it to apply TF's context and aggregation rules)."""
-        new = self._coerce(value, method)
-        if method in _DELTA_OPS:
+        if method not in _DELTA_OPS:
+            self._write_storage(self._coerce(value, method))
+            return self._result(read_value)
+        # A delta is only read (TF: the input to an update is never modified): no copy.
+        delta = self._coerce(value, method, copy=False)
+        op = _DELTA_OPS[method]
+        if not self._update_in_place(op, delta):
             xp = self._backend.array_namespace()
-            new = self._place(getattr(xp, _DELTA_OPS[method])(self._array, new))
-        self._write_storage(new)
+            self._write_storage(self._place(getattr(xp, op)(self._array, delta)))
         return self._result(read_value)
+
+    def _update_in_place(self, op: str, delta: Any) -> bool:
+        """Whether the backend's optional ``update_in_place`` hook
+        (`SupportsUpdateInPlace`) applied ``op`` to the stored array itself."""
+        backend = self._backend
+        if not features(backend).update_in_place:
+            return False
+        assert isinstance(backend, SupportsUpdateInPlace)
+        # Counted before the stored array is passed on (an argument is one more reference).
+        exclusive = self._holds_alone()
+        return bool(backend.update_in_place(self._array, op, delta, exclusive=exclusive))
+
+    def _holds_alone(self) -> bool:
+        """Whether no Python reference to the stored array exists but this variable's
+        own (no array a user kept from ``value()``, no other variable storing it)."""
+        return sys.getrefcount(self._array) <= _ALONE
 
     # -- sparse writes (TF's scatter_* methods) ---------------------------------------------
     def scatter_add(
@@ -571,8 +614,9 @@ class Variable(metaclass=_VariableMeta):
             placed = np.asarray(placed)
         return placed
 
-    def _coerce(self, value: Any, op: str) -> Any:
-        """``value`` as a new array of this variable's dtype and shape, on its device."""
+    def _coerce(self, value: Any, op: str, copy: bool = True) -> Any:
+        """``value`` as an array of this variable's dtype and shape, on its device: a new
+        one, or with ``copy=False`` possibly ``value`` itself (to be read, never stored)."""
         xp = self._backend.array_namespace()
         value = _read_operand(value)
         target = self._array.dtype
@@ -596,7 +640,9 @@ class Variable(metaclass=_VariableMeta):
                 f"{self._name!r} of shape {self.shape}: shapes must be equal (variables do not "
                 "broadcast). Reshape the value, e.g. to the variable's shape."
             )
-        array = xp.asarray(value if python_value else source, dtype=target, copy=True)
+        array = xp.asarray(
+            value if python_value else source, dtype=target, copy=True if copy else None
+        )
         return self._place(array)
 
     # -- Python protocols --------------------------------------------------------------------

@@ -265,6 +265,12 @@ def _copy(array: Any, xp: Any) -> Any:
     return xp.asarray(array, copy=True)
 
 
+def _places_copies(backend: Backend) -> bool:
+    """Whether ``backend.place`` always makes a new array of a NumPy array
+    (`SupportsHostArrayCopies`; see the variables module's docstring)."""
+    return features(backend).places_copies_of_host_arrays
+
+
 def _stored(backend: Backend, stored: Any, new: Any) -> Any:
     """What a component stores when its value becomes ``new``: a backend with
     `SupportsStoreVariable` decides (see the module docstring), else ``new``."""

@@ -17,8 +17,9 @@ a distributed variable). A distributed variable holds its components, in
 replica order, in ``values`` (a tuple that never changes). Core code reads
 storage only through ``Variable._read_storage()`` and writes it only through
 ``Variable._write_storage(new_array)``, and never mutates a stored array in
-place: every update stores a new array. On the simulator stored arrays are
-made read-only to enforce that.
+place: every update stores a new array (a backend's ``update_in_place`` hook,
+below, may write into one). On the simulator stored arrays are made read-only
+to enforce that.
 
 A backend that traces the replica function (JAX) can therefore functionalize
 variables without knowing their classes: before tracing, swap each
@@ -31,6 +32,13 @@ context has no Python replica index; while it traces it enters
 then acts as the component it names (and ``StrategyExtended.update`` hands
 its per-component results to the backend before regrouping them).
 
+A backend whose ``place(value, device)`` always returns a new array for a NumPy
+``value`` (never a view of it) says so with a class attribute
+``place_copies_host_arrays = True`` (``polydist.backend.SupportsHostArrayCopies``):
+a variable made from a NumPy array is then placed from that array directly (the
+variable still never shares memory with its initial value), not from a host copy of
+it, so making it holds its value once.
+
 A backend may also decide what a value write stores, with an optional method
 ``store_variable(stored, new) -> array`` (``stored``: what the component holds
 now, ``None`` when it is created; ``new``: the new value, a fresh array). Core
@@ -41,6 +49,21 @@ detach values from autograd and to copy a new value *into* a stored
 ``torch.nn.Parameter`` in place, so that a torch optimizer holding that
 parameter keeps seeing the variable's storage (``polydist_torch.parameters``).
 :func:`swap_storage` never calls it: it always swaps the arrays themselves.
+
+A backend may apply ``assign_add`` and ``assign_sub`` to the stored array
+itself, with an optional method ``update_in_place(stored, op, delta, *,
+exclusive) -> bool`` (``polydist.backend.SupportsUpdateInPlace``; ``op``:
+``"add"`` or ``"subtract"``; ``delta``: of the variable's dtype, shape and device,
+never to be modified; ``exclusive``: no Python reference to ``stored`` exists but
+the variable's). It returns True when it has updated ``stored``, bit for bit as
+storing ``op(stored, delta)`` would, and False to let core store a new array. TF's
+rule for a resource variable's buffer is the backend's: update in place only where
+nothing else can observe the old value (``exclusive``, and no view, export or
+autograd record of the memory that the backend can see), else copy; an array a user
+read before the update keeps its value. (Storage documented to alias, the torch
+backend's ``torch.nn.Parameter``, is updated in place regardless, as it already is
+by ``store_variable``.) Without the hook, or when it returns False, the update
+stores ``op(stored, delta)``, a new array.
 
 Sparse writes (``scatter_*``, ``scatter_nd_*``, ``batch_scatter_update``) are
 computed on the host with NumPy (``polydist._base.scatter``: TF's CPU kernels, one
@@ -101,6 +124,7 @@ from polydist._valuetypes.variable_basics import (
     _TRACED_UPDATE_RESULTS,
     _UPDATE_REPLICA,
     _is_float,
+    _places_copies,
     _refuse_traced,
     _sparse_delta,
 )
@@ -597,7 +621,13 @@ def create_variable(
     base = name or "Variable"
     components: list[Variable] = []
     for i, device in enumerate(devices):
-        placed = backend.place(array if i == 0 else _copy(host, xp), device)
+        if i == 0:
+            source = array
+        elif isinstance(host, np.ndarray) and _places_copies(backend):
+            source = host  # place() copies it
+        else:
+            source = _copy(host, xp)
+        placed = backend.place(source, device)
         if i and placed.dtype != components[0].dtype:
             # to_numpy may widen dtypes NumPy lacks (torch's bfloat16 -> float32 where
             # ml_dtypes is not installed).

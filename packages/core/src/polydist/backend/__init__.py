@@ -50,6 +50,7 @@ from polydist.backend._contract import ReplicaGroup as ReplicaGroup
 from polydist.backend._contract import SupportsBatchAllReduce as SupportsBatchAllReduce
 from polydist.backend._contract import SupportsCompiledRun as SupportsCompiledRun
 from polydist.backend._contract import SupportsCrossDeviceOps as SupportsCrossDeviceOps
+from polydist.backend._contract import SupportsHostArrayCopies as SupportsHostArrayCopies
 from polydist.backend._contract import SupportsLocalTPUSystem as SupportsLocalTPUSystem
 from polydist.backend._contract import SupportsPlacePerReplica as SupportsPlacePerReplica
 from polydist.backend._contract import SupportsReductionOrder as SupportsReductionOrder
@@ -57,6 +58,7 @@ from polydist.backend._contract import SupportsReplicaRunner as SupportsReplicaR
 from polydist.backend._contract import SupportsSimulatedDevices as SupportsSimulatedDevices
 from polydist.backend._contract import SupportsStoreVariable as SupportsStoreVariable
 from polydist.backend._contract import SupportsSymbolicValues as SupportsSymbolicValues
+from polydist.backend._contract import SupportsUpdateInPlace as SupportsUpdateInPlace
 from polydist.backend._contract import SupportsWorkerProcesses as SupportsWorkerProcesses
 from polydist.backend._contract import WorkerProcessBackend as WorkerProcessBackend
 from polydist.backend._contract import available_backends as available_backends
@@ -89,7 +91,9 @@ __all__ = [
     "SupportsPlacePerReplica",
     "SupportsReductionOrder",
     "SupportsSimulatedDevices",
+    "SupportsHostArrayCopies",
     "SupportsStoreVariable",
+    "SupportsUpdateInPlace",
     "SupportsSymbolicValues",
     "ReplicaGroup",
     "SupportsCompiledRun",

@@ -346,6 +346,30 @@ class SupportsStoreVariable(Protocol):
 
 
 @runtime_checkable
+class SupportsUpdateInPlace(Protocol):
+    """Applies a variable's ``assign_add``/``assign_sub`` to the stored array itself.
+
+    ``op`` is ``"add"`` or ``"subtract"``; ``delta`` has the variable's dtype, shape and
+    device and is never modified; ``exclusive`` says no Python reference to ``stored``
+    exists but the variable's. Returns True when ``stored`` now holds ``op(stored,
+    delta)`` bit for bit, False to let core store a new array. TF's rule for a resource
+    variable's buffer applies: in place only where nothing else can observe the old
+    value (``exclusive``, and no view, export or autograd record the backend can see).
+    """
+
+    def update_in_place(self, stored: Any, op: str, delta: Any, *, exclusive: bool) -> bool: ...
+
+
+@runtime_checkable
+class SupportsHostArrayCopies(Protocol):
+    """``place(value, device)`` always returns a new array for a NumPy ``value`` (never a
+    view of it) when ``place_copies_host_arrays`` is True: core then places a variable's
+    NumPy initial value directly, without a host copy first."""
+
+    place_copies_host_arrays: bool
+
+
+@runtime_checkable
 class SupportsReductionOrder(Protocol):
     """A backend that sums in a configurable order (the sim): ``MirroredStrategy``'s
     ``cross_device_ops`` picks the order (``with_reduction_order``)."""
@@ -384,6 +408,8 @@ class Features:
     reduction_order: bool = False
     cross_device_ops: bool = False
     simulated_devices: bool = False
+    update_in_place: bool = False
+    places_copies_of_host_arrays: bool = False
 
     @staticmethod
     def of(backend: object) -> Features:
@@ -399,6 +425,9 @@ class Features:
             reduction_order=isinstance(backend, SupportsReductionOrder),
             cross_device_ops=isinstance(backend, SupportsCrossDeviceOps),
             simulated_devices=isinstance(backend, SupportsSimulatedDevices),
+            update_in_place=isinstance(backend, SupportsUpdateInPlace),
+            places_copies_of_host_arrays=isinstance(backend, SupportsHostArrayCopies)
+            and bool(backend.place_copies_host_arrays),
         )
 
 
