@@ -37,6 +37,7 @@ import polydist as pd
 from polydist._strategies import context as _context
 from polydist._valuetypes.variables import swap_storage
 from polydist_torch._backend import TorchBackend
+from polydist_torch._storage import mark_variable_storage
 
 __all__ = [
     "DistributedModule",
@@ -221,6 +222,7 @@ class DistributedModule(nn.Module):
                 value = c._read_storage()
                 if value is not t:
                     t.copy_(value)  # the variable's value (the same on every copy)
+                mark_variable_storage(t)  # optimizers and BatchNorm write into it in place
         swap_storage(variable, copies)
 
     # -- what users see ------------------------------------------------------------------
