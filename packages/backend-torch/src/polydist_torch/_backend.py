@@ -182,6 +182,10 @@ class TorchBackend:
             return value.to(target, non_blocking=pinned)
         if target.type == "cuda":
             return _low_precision.from_host(value, "torch backend", lambda a: _to_cuda(a, target))
+        if type(value) is np.ndarray and value.ndim == 0 and value.dtype in _PLAIN_SCALAR_DTYPES:
+            # A scalar of a dtype torch shares (the replica id each replica gets at every
+            # run): its own copy, without the general conversion's checks.
+            return torch.from_numpy(value.copy())
         # A private C-ordered copy, as TF's convert_to_tensor makes (replicas may update
         # it in place); it also takes read-only and negative-stride arrays.
         return _low_precision.from_host(value, "torch backend", _host_copy)
@@ -250,6 +254,11 @@ class TorchBackend:
     def broadcast(self, value: Any, destinations: Sequence[str]) -> list[Any]:
         tensor = value if isinstance(value, torch.Tensor) else self.place(value, "/cpu:0")
         return _collectives.broadcast(tensor, destinations, self.reduction)
+
+
+_PLAIN_SCALAR_DTYPES = frozenset(
+    np.dtype(t) for t in (np.bool_, np.int32, np.int64, np.float32, np.float64)
+)
 
 
 def _host_copy(array: np.ndarray) -> torch.Tensor:
