@@ -48,7 +48,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -71,7 +71,6 @@ from polydist._collectives.check import (
 )
 from polydist._distributed.cluster import InReplicaContext
 from polydist._distributed.multi_worker import MultiWorkerExtended
-from polydist._strategies.eager import EagerReplicaRunner
 from polydist._strategies.replica_context import ReplicaContext
 from polydist._strategies.strategy import (
     Strategy,
@@ -85,7 +84,7 @@ from polydist.backend._contract import (
     Backend,
     Capabilities,
     ClusterToJoin,
-    ReplicaChannel,
+    WorkerProcessBackend,
     is_symbolic,
 )
 from polydist.cluster_resolver import (
@@ -105,7 +104,6 @@ __all__ = [
     "HeartbeatStore",
     "NO_TIMEOUT_SECONDS",
     "MultiProcessExtended",
-    "ReplicaRunners",
     "WorkerProcessBackend",
     "check_joining",
     "collective_timeout",
@@ -133,23 +131,6 @@ def collective_timeout(options: CommunicationOptions | None) -> float:
     if seconds is None:
         return DEFAULT_TIMEOUT_SECONDS
     return NO_TIMEOUT_SECONDS if seconds == 0 else float(seconds)
-
-
-@runtime_checkable
-class WorkerProcessBackend(Protocol):
-    """The engine half of ``MultiWorkerMirroredStrategy`` with one process per worker
-    (what `polydist.backend.SupportsWorkerProcesses.worker_process_engine` returns),
-    besides ``Backend`` and ``ClusterBackend.connect_cluster`` (which returns
-    ``(worker_index,)``)."""
-
-    def local_device_count(self, requested: int | None) -> tuple[str, int] | None:
-        """This worker's replica device type and count for ``local_devices=requested``;
-        ``None`` (only when ``requested`` is None) applies TF's rule."""
-        ...
-
-    def broadcast_from_chief(self, value: Any, device: str) -> Any:
-        """Worker 0's ``value`` (an array), on ``device`` of every worker (a collective)."""
-        ...
 
 
 def task_names(spec: ClusterSpec, task_type: str | None, task_id: int | None) -> list[str]:
@@ -389,6 +370,9 @@ class MultiProcessExtended(MultiWorkerExtended):
         wrapped = InReplicaContext(fn, _WorkerReplicaContext)
         return super()._call_for_each_replica(wrapped, args, kwargs)
 
+    def _run_across_processes(self) -> bool:
+        return self._num_workers > 1
+
     # -- reductions: the group spans every worker's process ------------------------------------
     def _replica_group(self, count: int) -> _cross_device_ops.ReplicaGroup:
         group = super()._replica_group(count)
@@ -466,7 +450,7 @@ def _engine(backend: Backend) -> WorkerProcessBackend:
         raise TypeError(
             f"Backend {backend.name!r} ({type(backend).__name__}) does not run one process per "
             "worker: a MultiWorkerMirroredStrategy on it needs a backend implementing "
-            "polydist._distributed.multi_process.WorkerProcessBackend (local_device_count, "
+            "polydist.backend.WorkerProcessBackend (local_device_count, "
             "broadcast_from_chief), such as polydist_torch's or polydist_jax's."
         )
     return backend
@@ -853,31 +837,3 @@ def process_capabilities(capabilities: Capabilities) -> Capabilities:
     return dataclasses.replace(
         capabilities, multi_worker=True, reduction_orders=(), simulated_clusters=False
     )
-
-
-class ReplicaRunners:
-    """An engine backend's eager replica runners, one per worker of the strategies that use
-    it: a replica's channel needs the replica's id among every worker's replicas
-    (all_gather's gradient keeps its segment), ``channel(inner, id)`` wraps it."""
-
-    def __init__(
-        self, timeout: float | None, channel: Callable[[ReplicaChannel, int], ReplicaChannel]
-    ) -> None:
-        self._timeout = timeout
-        self._channel = channel
-        self._runners: dict[int, EagerReplicaRunner] = {}
-
-    def of(self, extended: object) -> EagerReplicaRunner:
-        """The runner of ``extended``'s worker (its ``_replica_offset``: the global id of
-        its first replica; 0 for a strategy of one worker)."""
-        offset = int(getattr(extended, "_replica_offset", 0))
-        runner = self._runners.get(offset)
-        if runner is None:
-            channel = self._channel
-            runner = EagerReplicaRunner(
-                "thread",
-                self._timeout,
-                wrap_channel=lambda inner, index: channel(inner, offset + index),
-            )
-            self._runners[offset] = runner
-        return runner

@@ -35,7 +35,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, cast
 
 import numpy as np
 import optree
@@ -44,9 +44,12 @@ from polydist._base.arrays import dtype_name, is_floating
 from polydist._base.devices import HOST_DEVICE, DeviceSpec
 from polydist._strategies import context as _context
 from polydist._valuetypes.values import DistributedValues, PerReplica
+from polydist.backend._contract import SupportsPlacePerReplica, features
+from polydist.data import _dataset
 from polydist.data._dataset import (
     INFINITE_CARDINALITY,
     Dataset,
+    _IterableDataset,
     _OptionsDataset,
     _PrefetchDataset,
     _ShardDataset,
@@ -294,13 +297,12 @@ _Placer = Callable[[Sequence[Any], Sequence[str]], list[Any]]
 def _per_replica_placer(backend: Backend) -> _Placer:
     """How a step's components of one leaf reach the replicas' devices.
 
-    The backend's optional ``place_per_replica(values, devices)`` takes them all at
-    once and returns what ``place`` would give for each (e.g. the jax backend makes
-    one array sharded over its replica mesh); without it, each goes through ``place``.
+    A backend with `SupportsPlacePerReplica` takes them all at once and returns what
+    ``place`` would give for each (e.g. the jax backend makes one array sharded over
+    its replica mesh); without it, each goes through ``place``.
     """
-    hook: _Placer | None = getattr(backend, "place_per_replica", None)
-    if hook is not None:
-        return hook
+    if features(backend).place_per_replica:
+        return cast(SupportsPlacePerReplica, backend).place_per_replica
     place = backend.place
 
     def place_each(values: Sequence[Any], devices: Sequence[str]) -> list[Any]:
@@ -391,6 +393,7 @@ class DistributedDataset:
         spec_source: Callable[[], Nest],
         infinite: bool,
         cardinality: int,
+        passes: tuple[_IterableDataset, ...] = (),
     ) -> None:
         # Built only by this module's functions; the arguments are internal.
         self._strategy = strategy
@@ -405,6 +408,9 @@ class DistributedDataset:
         self._cardinality = cardinality
         self._spec_cache: Any = _END
         self._buffer_size = 1 if options is None else options.experimental_per_replica_buffer_size
+        # The plain re-iterables (DataLoaders) whose iter() each iteration calls
+        # when it is made, one entry per pass it reads, in the order of its reads.
+        self._passes = passes
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self)
@@ -494,9 +500,12 @@ class DistributedDataset:
             for i, leaf in enumerate(leaves):
                 if leaf.ndim == 0:
                     raise ValueError(
-                        "Cannot rebatch dataset: All components must have at least one "
-                        f"dimension. Perhaps your input dataset is not batched? Component {i} "
-                        "is scalar."
+                        "experimental_distribute_dataset splits every element along its first "
+                        f"(batch) dimension across the {n} replicas, but the input is not "
+                        f"batched: component {i} of its element is a scalar. Batch it with the "
+                        "global batch size first, e.g. dataset.batch(global_batch_size) or a "
+                        "DataLoader with batch_size, or give each replica its own pipeline with "
+                        "strategy.distribute_datasets_from_function."
                     )
                 size = leaf.shape[0]
                 slices = cache.get(size)
@@ -576,6 +585,11 @@ class DistributedIterator:
     def __init__(self, dataset: DistributedDataset) -> None:
         self._dataset = dataset
         self._strategy = dataset._strategy
+        # iter() of a plain re-iterable happens here, as iter(loader) would: a
+        # DataLoader draws its seed from torch's global RNG at that point.
+        self._begun: dict[int, collections.deque[Iterator[Nest]]] = {}
+        for source in dataset._passes:
+            self._begun.setdefault(id(source), collections.deque()).append(source.begin_pass())
         self._values: Iterator[tuple[Any, tuple[int, ...]]] | None = dataset._new_values()
         self._buffer: collections.deque[tuple[Any, tuple[int, ...]] | _Failure] = (
             collections.deque()
@@ -625,13 +639,29 @@ class DistributedIterator:
         assert self._values is not None
         entry: tuple[Any, tuple[int, ...]] | _Failure | None
         try:
-            entry = next(self._values, None)
+            with _reading_begun_passes(self._begun):
+                entry = next(self._values, None)
         except Exception as error:  # surfaced when the consumer reaches this step
             entry = _Failure(error)
         if entry is None or isinstance(entry, _Failure):
             self._values = None
         if entry is not None:
             self._buffer.append(entry)
+
+
+@contextlib.contextmanager
+def _reading_begun_passes(
+    begun: dict[int, collections.deque[Iterator[Nest]]],
+) -> Iterator[None]:
+    """While a step is read, an iteration's sources continue the passes it began."""
+    if not begun:
+        yield
+        return
+    token = _dataset.BEGUN_PASSES.set({**(_dataset.BEGUN_PASSES.get() or {}), **begun})
+    try:
+        yield
+    finally:
+        _dataset.BEGUN_PASSES.reset(token)
 
 
 def _legacy_split_input(
@@ -693,12 +723,12 @@ def _as_source(dataset: object, what: str) -> tuple[Dataset, bool]:
         )
     if callable(dataset) and not isinstance(dataset, Iterable):
         _check_generator_function(dataset, what)
-        generator = dataset
-        return Dataset.from_generator(lambda: map(_collated, generator())), True
+        return _IterableDataset(_Collated(_Calls(dataset))), True
     if isinstance(dataset, Iterator):  # one-shot: stays one
         return as_dataset(map(_collated, dataset)), True
     if isinstance(dataset, Iterable):
-        return as_dataset(_Collated(dataset)), True
+        free = isinstance(dataset, list | tuple)  # peeking at a list has no effects
+        return _IterableDataset(_Collated(dataset), free_to_read=free), True
     raise TypeError(
         f"{what} expects a polydist.data.Dataset, an iterable of batches or a generator "
         f"function, got {type(dataset).__name__} {dataset!r}."
@@ -755,6 +785,18 @@ class _Collated:
         return map(_collated, self._source)
 
 
+class _Calls:
+    """A generator function as a re-iterable: each ``iter()`` calls it (one pass)."""
+
+    __slots__ = ("_function",)
+
+    def __init__(self, function: Callable[[], Iterable[Any]]) -> None:
+        self._function = function
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._function())
+
+
 def _check_generator_function(fn: Callable[..., Any], what: str) -> None:
     try:
         signature = inspect.signature(fn)
@@ -774,6 +816,10 @@ def _check_generator_function(fn: Callable[..., Any], what: str) -> None:
 
 
 def _check_batched(source: Dataset, num_replicas: int) -> None:
+    if isinstance(source, _IterableDataset) and source.peek_begins_a_pass:
+        # Reading a DataLoader now would draw a shuffle the user did not ask
+        # for: its batches are checked as they are split (_split_elements).
+        return
     try:
         spec = source.element_spec
     except _SpecInferenceError:  # an empty source: there is nothing to split
@@ -851,6 +897,7 @@ def distribute_dataset(
         lambda: own.element_spec,
         cardinality == INFINITE_CARDINALITY,
         cardinality,
+        (source,) * len(pipelines) if isinstance(source, _IterableDataset) else (),
     )
 
 
@@ -910,6 +957,7 @@ def distribute_datasets_from_function(
         lambda: own.element_spec,
         infinite,
         own.cardinality(),  # TF: its first (this worker's) dataset's
+        tuple(p for p in pipelines if isinstance(p, _IterableDataset)),
     )
 
 

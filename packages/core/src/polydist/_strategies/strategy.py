@@ -16,12 +16,13 @@ from polydist._base.arrays import (
     divide_exactly,
     is_integral,
 )
-from polydist._base.communication import call_options
+from polydist._base.communication import CommunicationOptions, call_options
 from polydist._base.devices import HOST_DEVICE, canonicalize
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._collectives import cross_device_ops as _cross_device_ops
 from polydist._collectives import trace as _trace
 from polydist._strategies import context as _context
+from polydist._strategies import eager as _eager
 from polydist._strategies.extended_mixin import ExtendedVariablesMixin
 from polydist._strategies.replica_context import ReplicaContext, _check_gather_axis
 from polydist._valuetypes import indexed_slices as _indexed_slices
@@ -37,7 +38,7 @@ from polydist._valuetypes.values import (
     regroup,
     select_replica,
 )
-from polydist.backend._contract import Backend, get_backend
+from polydist.backend._contract import Backend, ReplicaGroup, get_backend
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -59,6 +60,9 @@ class StrategyExtended(ExtendedVariablesMixin):
     every strategy shares.
     """
 
+    #: The strategy's ``CommunicationOptions`` (multi-worker strategies set them).
+    _communication_options: CommunicationOptions | None = None
+
     def __init__(
         self,
         container_strategy: Strategy,
@@ -71,6 +75,7 @@ class StrategyExtended(ExtendedVariablesMixin):
         self._backend_ref = backend
         self._devices: tuple[str, ...] = tuple(devices)
         self._cross_device_ops = cross_device_ops
+        self._run_execution_cache: _eager.ReplicaExecution | None = None
 
     # -- plumbing -------------------------------------------------------------
     def _container_strategy(self) -> Strategy:
@@ -103,6 +108,8 @@ class StrategyExtended(ExtendedVariablesMixin):
         result = self.__class__.__new__(self.__class__)
         memo[id(self)] = result
         for k, v in self.__dict__.items():
+            if k == "_run_execution_cache":
+                v = None  # it refers to the backend and the strategy: the copy builds its own
             setattr(result, k, v if k == "_backend_ref" else copy.deepcopy(v, memo))
         return result
 
@@ -140,15 +147,44 @@ class StrategyExtended(ExtendedVariablesMixin):
         per_replica = _per_replica_args(args, kwargs, len(self._devices))
         if _trace.is_tracing():
             _trace.begin_step()
-        results = self._backend.run_replicas(self._replica_runner_view(), fn, per_replica)
+        results = self._run_execution().run(fn, per_replica)
         _variables.after_run(self)  # ReplicaDivergenceWarning for NONE-aggregated copies
         return regroup(results)
 
-    def _replica_runner_view(self) -> StrategyExtended:
-        """What ``Backend.run_replicas`` gets: ``self``, except that a simulated
-        multi-worker strategy gives a view whose ``worker_devices`` are every
-        simulated worker's (the runner places replica ``r`` on the ``r``-th)."""
-        return self
+    def _run_devices(self) -> tuple[str, ...]:
+        """The devices of the replicas ``strategy.run`` runs in this process, in replica
+        order: ``worker_devices``, except that a simulated cluster runs every worker's."""
+        return self.worker_devices
+
+    def _run_group(self) -> ReplicaGroup:
+        """The `ReplicaGroup` of ``strategy.run`` (``polydist.backend.replica_group``)."""
+        return self._run_execution().group
+
+    def _run_execution(self) -> _eager.ReplicaExecution:
+        """How ``strategy.run`` runs: built once, and again only when the run's devices
+        change (a TPU logical device), so that a step pays no more than a lookup."""
+        devices = self._run_devices()
+        execution = self._run_execution_cache
+        if execution is not None:
+            cached = execution.group.devices
+            if cached is devices or cached == devices:
+                return execution
+        group = ReplicaGroup(
+            self._backend,
+            tuple(devices),
+            self._num_replicas_in_sync,
+            tuple(devices),
+            across_processes=self._run_across_processes(),
+            strategy=self._container_strategy(),
+            replica_offset=self._replica_offset,
+            communication_options=self._communication_options,
+        )
+        execution = self._run_execution_cache = _eager.ReplicaExecution(group)
+        return execution
+
+    def _run_across_processes(self) -> bool:
+        """Whether a run's collectives span several processes (one per worker)."""
+        return False
 
     # -- reductions --------------------------------------------------------------
     def reduce_to(

@@ -13,11 +13,12 @@ from __future__ import annotations
 import abc
 import builtins
 import collections
+import contextvars
 import copy
 import itertools
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
 import numpy as np
@@ -978,11 +979,84 @@ class _IteratorDataset(_ProducedDataset):
         return with_unknown_dims(spec_of(map_structure(to_array, first)))
 
 
+# The passes over plain iterables that the reader running now began ahead, by
+# id of the _IterableDataset: a DistributedIterator calls iter() on its sources
+# when it is made, as iter() of the source itself would, and its reads take them.
+BEGUN_PASSES: contextvars.ContextVar[Mapping[int, collections.deque[Iterator[Nest]]] | None] = (
+    contextvars.ContextVar("BEGUN_PASSES", default=None)
+)
+
+
+class _IterableDataset(_ProducedDataset):
+    """A re-iterable (a list, a torch ``DataLoader``) as a source: each pass is one ``iter()``.
+
+    Reading it never begins a pass of its own: inferring the spec reads the
+    first element of the pass that the next iteration continues, and once a
+    pass has produced an element the spec comes from that element. So a
+    ``DataLoader`` that shuffles draws one permutation (and moves torch's
+    global RNG) per iteration the user asks for, as without polydist.
+    """
+
+    _op_name = "GeneratorDataset"
+    _producer = "`iterable`"
+
+    def __init__(self, iterable: Iterable[Nest], *, free_to_read: bool | None = None) -> None:
+        super().__init__(None)
+        self._iterable = iterable
+        # Whether a pass has no effects (a list); by default, for a list or tuple.
+        self._free_to_read = (
+            isinstance(iterable, list | tuple) if free_to_read is None else free_to_read
+        )
+        self._peeked: tuple[Iterator[Nest], object] | None = None
+
+    @property
+    def peek_begins_a_pass(self) -> bool:
+        """Whether inferring the spec now would call ``iter()`` on the source.
+
+        False for a list or tuple (reading one has no effects) and once the
+        spec is known.
+        """
+        known = self._spec_cache is not _UNSET or self._peeked is not None
+        return not known and not self._free_to_read
+
+    def begin_pass(self) -> Iterator[Nest]:
+        """``iter()`` of the source, now: the pass a spec peek began, else a new one."""
+        if self._peeked is not None:
+            iterator, first = self._peeked
+            self._peeked = None
+            return iterator if first is _END else itertools.chain([first], iterator)
+        return iter(self._iterable)
+
+    def _produce(self) -> Iterator[Nest]:
+        passes = BEGUN_PASSES.get()
+        begun = None if passes is None else passes.get(id(self))
+        yield from begun.popleft() if begun else self.begin_pass()
+
+    def _iterate(self) -> Iterator[Nest]:
+        for value in super()._iterate():
+            if self._spec_cache is _UNSET:  # known from the data read: no peek later
+                self._spec_cache = with_unknown_dims(spec_of(value))
+            yield value
+
+    def _compute_element_spec(self) -> Nest:
+        if self._peeked is None:
+            iterator = self.begin_pass()
+            self._peeked = (iterator, next(iterator, _END))
+        first = self._peeked[1]
+        if first is _END:
+            raise _SpecInferenceError(
+                f"Cannot infer the element_spec of {self._op_name}: the iterable produced no "
+                "element."
+            )
+        return with_unknown_dims(spec_of(_conform(first, None, self._producer)))
+
+
 def as_dataset(source: object) -> Dataset:
     """``source`` itself if it is a Dataset, else a generator source over the iterable.
 
-    A re-iterable (a list, a data loader) is read afresh on each iteration; a
-    one-shot iterator is read once.
+    A re-iterable (a list, a data loader) is read afresh on each iteration,
+    with one ``iter()`` of it per pass (see ``_IterableDataset``); a one-shot
+    iterator is read once.
     """
     if isinstance(source, Dataset):
         return source
@@ -993,5 +1067,4 @@ def as_dataset(source: object) -> Dataset:
             f"Expected a polydist.data.Dataset or an iterable of elements, got "
             f"{type(source).__name__}."
         )
-    iterable: Iterable[Nest] = source
-    return _GeneratorDataset(lambda: iter(iterable), None)
+    return _IterableDataset(source)
