@@ -51,6 +51,9 @@ from polydist_torch import TorchBackend
 HIDDEN = 1024
 GLOBAL_BATCH = 1024
 TARGET_RATIO_ONE_REPLICA = 1.10
+# Issue 20: at 8 virtual CPU replicas, the median over interleaved rounds of
+# (polydist's step / the hand-written step of the same round).
+TARGET_PAIRED_RATIO_EIGHT_REPLICAS = 1.10
 
 
 def make_model(device: torch.device) -> nn.Module:
@@ -148,6 +151,10 @@ def measure(strategy: pd.Strategy, devices: list[torch.device], repeats: int) ->
         "hand_written_median_s": statistics.median(hand_times),
         "polydist_median_s": statistics.median(polydist_times),
         "ratio_of_medians": statistics.median(polydist_times) / statistics.median(hand_times),
+        # Each round times both back to back: load from other processes hits both alike.
+        "paired_median_ratio": statistics.median(
+            p / h for p, h in zip(polydist_times, hand_times, strict=True)
+        ),
     }
 
 
@@ -318,7 +325,8 @@ def main() -> int:
         print(
             f"{kind:18s} {row['replicas']:2d} x {row['device']:4s}  hand-written "
             f"{row['hand_written_s'] * 1e3:8.2f} ms  polydist {row['polydist_s'] * 1e3:8.2f} ms  "
-            f"x{row['ratio']:.3f} (medians x{row['ratio_of_medians']:.3f})  (trivial run: "
+            f"x{row['ratio']:.3f} (medians x{row['ratio_of_medians']:.3f}, paired "
+            f"x{row['paired_median_ratio']:.3f})  (trivial run: "
             f"{row['trivial_run_us_per_replica']:.0f} us/replica)",
             flush=True,
         )
@@ -354,7 +362,11 @@ def main() -> int:
     device_name = torch.cuda.get_device_name(0) if gpus else "cpu"
     mem = memory(args.memory_mb)
     rows.append(memory_row(mem, "cuda" if gpus else "cpu"))
-    timing_met = all(r["ratio"] <= TARGET_RATIO_ONE_REPLICA for r in one_cpu)
+    timing_met = all(r["ratio"] <= TARGET_RATIO_ONE_REPLICA for r in one_cpu) and all(
+        r["paired_median_ratio"] <= TARGET_PAIRED_RATIO_EIGHT_REPLICAS
+        for n, r in cpu_mirrored.items()
+        if n == 8
+    )
     payload = {
         "benchmark": "MLP training step: strategy.run + all_reduce(grads) + reduce(loss) "
         "vs hand-written PyTorch doing the same arithmetic",
@@ -365,10 +377,13 @@ def main() -> int:
         "global_batch": GLOBAL_BATCH,
         "machine": machine() | {"torch_threads": torch.get_num_threads()},
         "rows": rows,
-        "target": f"ratio <= {TARGET_RATIO_ONE_REPLICA} at 1 replica on CPU; {MEMORY_TARGET}",
+        "target": f"ratio <= {TARGET_RATIO_ONE_REPLICA} at 1 replica on CPU; "
+        f"paired_median_ratio <= {TARGET_PAIRED_RATIO_EIGHT_REPLICAS} at 8 replicas on CPU; "
+        f"{MEMORY_TARGET}",
         "timing_target_met": timing_met,
         "target_met": timing_met and mem["met"],
         "memory": mem,
+        "load_average_after": list(os.getloadavg()),
         "cpu_step_time_vs_1_replica": {
             str(n): r["polydist_s"] / cpu_mirrored[1]["polydist_s"]
             for n, r in sorted(cpu_mirrored.items())

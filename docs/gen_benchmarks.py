@@ -52,12 +52,14 @@ timings of a 1-2 ms step varied by up to 30% between runs of the same code.
 `torch-peers-cpu` (`benchmarks/bench_peers_torch.py`) trains one MLP (512 ->
 512 -> 512 -> 1, batch 1024, SGD, 1 CPU replica) with polydist's torch backend
 (`distribute_module` + `distribute_optimizer` in `strategy.run`), Lightning
-Fabric, Hugging Face Accelerate and plain PyTorch, interleaved in one run. On
-the 2-core machine of the table, at about 17 ms a step, polydist is 1.02x the
-hand-written step, Fabric 1.01x and Accelerate 1.03x: level with Accelerate and
-about 2% **behind** Fabric (the first run, before `step()` stopped summing the
-gradients of a single replica, had polydist at 1.05x). Differences of a few
-percent are within this shared machine's noise.
+Fabric, Hugging Face Accelerate and plain PyTorch, interleaved in one run. The
+committed `torch-peers-cpu` and `torch-cpu` results were taken on the 2-core
+machine while it was heavily shared (load average 14-17, the step ~40x its idle
+time; each file records `load_average_after`), so their ratios move by several
+percent between runs: there polydist was 1.045x the hand-written step, 0.985x
+Fabric's and 0.988x Accelerate's. On a quiet machine before the per-run work of
+issue 20 it was 1.024x hand-written, 1.018x Fabric. The fixed per-run costs, measured so
+that load matters less, are in [the torch backend's page](backends/torch.md#benchmarks).
 
 `multiworker-step-cpu` (`benchmarks/bench_multiworker_step.py`) is a training
 step across 2 worker processes (1 replica each, loopback): an MLP whose 1 to 64

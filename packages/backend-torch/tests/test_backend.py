@@ -299,3 +299,23 @@ def test_a_bad_timeout_variable_is_refused_with_cores_message(
     assert str(ran.value) == message
     # A backend given its timeout does not read the variable.
     assert TorchBackend(timeout_seconds=5.0).reduction == "sequential"
+
+
+def test_device_scope_sees_torch_set_default_device() -> None:
+    # The scope's cheap default-device test must agree with torch.get_default_device().
+    from polydist_torch._backend import _default_device_is
+
+    backend = TorchBackend()
+    cpu = torch.device("cpu")
+    assert _default_device_is(cpu) and not _default_device_is(torch.device("meta"))
+    torch.set_default_device("meta")
+    try:
+        assert not _default_device_is(cpu) and _default_device_is(torch.device("meta"))
+        with backend.device_scope("/cpu:0"):
+            assert torch.zeros(1).device == cpu
+        assert torch.zeros(1).device == torch.device("meta")
+    finally:
+        torch.set_default_device(None)
+    with torch.device("meta"):
+        assert not _default_device_is(cpu)
+    assert _default_device_is(cpu)

@@ -167,3 +167,22 @@ def test_a_greenlet_replica_blocked_outside_polydist_is_reported(
     assert "neither reached a collective nor returned" in report
     assert "test_eager_runner.py" in report  # the replica's own line
     assert "replica_mode='thread'" in report
+
+
+def test_timeout_variable_changes_take_effect_after_it_was_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The parse is remembered per text (runs read the variable every time): a new text,
+    # a bad one or none after a good one still counts at once.
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", "7")
+    assert timeout_seconds_from_env() == 7.0
+    assert timeout_seconds_from_env() == 7.0
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", "9.5")
+    assert timeout_seconds_from_env() == 9.5
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", "-1")
+    with pytest.raises(ValueError, match="must be a positive number"):
+        timeout_seconds_from_env()
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", "7")
+    assert timeout_seconds_from_env() == 7.0
+    monkeypatch.delenv("POLYDIST_TIMEOUT_SECONDS")
+    assert timeout_seconds_from_env(60.0) == 60.0

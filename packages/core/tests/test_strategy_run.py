@@ -262,3 +262,18 @@ class TestDefaultAndOneDevice:
         assert int(s.run(replica_id)) == 0
         assert s.reduce("SUM", np.float32(3), axis=None) == 3
         assert s.cluster_resolver is None
+
+
+def test_one_scope_object_entered_again_inside_itself_leaves_cleanly() -> None:
+    strategy = pd.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    scope = strategy.scope()
+    with scope as entered:
+        assert entered is strategy
+        with scope:
+            assert pd.get_strategy() is strategy
+        assert pd.get_strategy() is strategy and pd.in_cross_replica_context()
+    assert not pd.has_strategy()
+    other = pd.MirroredStrategy(["/cpu:0"])
+    with pytest.raises(RuntimeError, match="Mixing different"), strategy.scope(), other.scope():
+        pass
+    assert not pd.has_strategy()

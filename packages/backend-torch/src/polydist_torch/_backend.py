@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
+from torch.utils._device import DeviceContext
 
 from polydist.backend import Capabilities, EagerReplicaRunner, default_timeout
 from polydist.backend.devices import DeviceSpec
@@ -19,6 +21,7 @@ from polydist_torch._devices import (
     cuda_device_count,
     torch_device,
 )
+from polydist_torch._storage import mark_variable_storage
 
 if TYPE_CHECKING:
     from polydist.backend import ReplicaGroup
@@ -170,7 +173,7 @@ class TorchBackend:
                 torch_device(d)  # raises the message for TPU/XLA devices
 
     def device_scope(self, device: str) -> contextlib.AbstractContextManager[Any]:
-        return _device_scope(torch_device(device), self.replica_default_device)
+        return _DeviceScope(torch_device(device), self.replica_default_device)
 
     def place(self, value: Any, device: str) -> Any:
         target = torch_device(device)
@@ -183,6 +186,10 @@ class TorchBackend:
             return value.to(target, non_blocking=pinned)
         if target.type == "cuda":
             return _low_precision.from_host(value, "torch backend", lambda a: _to_cuda(a, target))
+        if type(value) is np.ndarray and value.ndim == 0 and value.dtype in _PLAIN_SCALAR_DTYPES:
+            # A scalar of a dtype torch shares (the replica id each replica gets at every
+            # run): its own copy, without the general conversion's checks.
+            return torch.from_numpy(value.copy())
         # A private C-ordered copy, as TF's convert_to_tensor makes (replicas may update
         # it in place); it also takes read-only and negative-stride arrays.
         return _low_precision.from_host(value, "torch backend", _host_copy)
@@ -212,6 +219,9 @@ class TorchBackend:
             with torch.no_grad():
                 stored.copy_(new)
             return stored
+        # Marked, so that a one-replica all_reduce hands back a copy of it, not the
+        # storage itself (which later writes may change in place; see _storage.py).
+        mark_variable_storage(new)
         return new
 
     def update_in_place(self, stored: Any, op: str, delta: Any, *, exclusive: bool) -> bool:
@@ -318,6 +328,11 @@ class TorchReplicaRunner(EagerReplicaRunner):
         return super().run(group, replica_fn, per_replica_args)
 
 
+_PLAIN_SCALAR_DTYPES = frozenset(
+    np.dtype(t) for t in (np.bool_, np.int32, np.int64, np.float32, np.float64)
+)
+
+
 def _host_copy(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(array, order="C", copy=True))
 
@@ -351,7 +366,11 @@ def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
 
 
 class _ThreadState:
-    """The calling thread's torch modes that replica threads should share."""
+    """The calling thread's torch modes that replica threads should share.
+
+    Entered once per replica per run: a plain class, and in the common case (no
+    inference mode, no autocast) only the grad mode is set and restored.
+    """
 
     __slots__ = ("autocast", "grad", "inference")
 
@@ -371,8 +390,13 @@ class _ThreadState:
         )
         return _ThreadState(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
 
+    def apply(self) -> contextlib.AbstractContextManager[None]:
+        if self.inference or self.autocast:
+            return self._apply_all()
+        return _GradMode(self.grad)
+
     @contextlib.contextmanager
-    def apply(self) -> Iterator[None]:
+    def _apply_all(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if self.inference:
                 stack.enter_context(torch.inference_mode())
@@ -382,17 +406,94 @@ class _ThreadState:
             yield
 
 
-@contextlib.contextmanager
-def _device_scope(device: torch.device, default_device: bool = True) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        # Keep a replica's backward pass on its own thread (the autograd engine
-        # otherwise runs CUDA work on device threads), so its collectives can
-        # rendezvous. The setting is per thread and restored on exit.
-        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
-        if device.type == "cuda":
-            stack.enter_context(torch.cuda.device(device))
-        if default_device and torch.get_default_device() != device:
-            # torch.device as a context makes factory functions (torch.zeros, ...)
-            # land on the replica's device; skipped when that is already the default.
-            stack.enter_context(device)
-        yield
+class _GradMode:
+    """``torch.set_grad_enabled(mode)`` as a context, without its decorator machinery."""
+
+    __slots__ = ("_mode", "_previous")
+
+    def __init__(self, mode: bool) -> None:
+        self._mode = mode
+        self._previous = True
+
+    def __enter__(self) -> None:
+        self._previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(self._mode)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self._previous)
+
+
+_CPU = torch.device("cpu")
+# Where torch.set_default_device keeps the default, per thread (torch >= 2.3); None on
+# older versions, which then take torch.get_default_device's answer every time.
+_GLOBAL_DEVICE_CONTEXT: threading.local | None = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+if not isinstance(_GLOBAL_DEVICE_CONTEXT, threading.local):
+    _GLOBAL_DEVICE_CONTEXT = None
+
+
+def _default_device_is(device: torch.device) -> bool:
+    """``torch.get_default_device() == device``, cheaply in the common case.
+
+    ``get_default_device`` makes a tensor to learn the default's index (tens of
+    microseconds on a loaded CPU); with no torch function mode on this thread and no
+    ``torch.set_default_device`` in force, the default is the CPU, which this says
+    without one."""
+    if (
+        _GLOBAL_DEVICE_CONTEXT is not None
+        and getattr(_GLOBAL_DEVICE_CONTEXT, "device_context", None) is None
+        and torch._C._len_torch_function_stack() == 0
+    ):
+        return device == _CPU
+    return torch.get_default_device() == device
+
+
+class _DeviceScope:
+    """A replica's device scope (``TorchBackend.device_scope``): entered at every run by
+    every replica, so a plain class rather than a generator and an ``ExitStack``.
+
+    * the autograd engine's multithreading is off, so that a replica's backward pass
+      stays on its own thread (the engine otherwise runs CUDA work on device threads)
+      and its collectives can rendezvous; the setting is per thread and restored;
+    * on CUDA the current device is the replica's;
+    * with ``default_device``, ``torch.device`` as a context (a torch function mode)
+      makes factory functions land on the replica's device; skipped when that is
+      already torch's default (always so for CPU replicas), which spares every torch
+      call in the replica a pass through the mode.
+    """
+
+    __slots__ = ("_cuda", "_default", "_device", "_mode", "_multithreading")
+
+    def __init__(self, device: torch.device, default_device: bool) -> None:
+        self._device = device
+        self._default = default_device
+        self._cuda: Any = None
+        self._mode: Any = None
+        self._multithreading = True
+
+    def __enter__(self) -> None:
+        self._multithreading = torch._C._is_multithreading_enabled()
+        torch._C._set_multithreading_enabled(False)
+        try:
+            if self._device.type == "cuda":
+                cuda: Any = torch.cuda.device(self._device)
+                cuda.__enter__()
+                self._cuda = cuda
+            if self._default and not _default_device_is(self._device):
+                mode: Any = DeviceContext(self._device)
+                mode.__enter__()
+                self._mode = mode
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        mode, cuda, self._mode, self._cuda = self._mode, self._cuda, None, None
+        try:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+        finally:
+            try:
+                if cuda is not None:
+                    cuda.__exit__(None, None, None)
+            finally:
+                torch._C._set_multithreading_enabled(self._multithreading)

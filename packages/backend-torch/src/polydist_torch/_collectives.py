@@ -11,8 +11,13 @@ Two algorithms:
   they are not bitwise reproducible against the sim. Anything else (CPU
   replicas, mixed devices, complex dtypes) falls back to ``"sequential"``.
 
-Every result is a new tensor, a distinct one per destination: replicas may
-update their copy in place, and each copy gets its own autograd history.
+With several values or destinations every result is a new tensor, a distinct one
+per destination: replicas may update their copy in place, and each copy gets its
+own autograd history. One value onto its own device (a one-replica ``all_reduce`` or
+``all_gather``) is its own sum: it comes back as it is, as torch's ``x.to(x.device)``
+returns ``x``. TF's rule is that the input is not modified, and nothing in polydist
+writes into it later, with one exception that is copied: a variable's storage
+(``_storage.py``), which assignments, optimizers and BatchNorm update in place.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from polydist_torch._devices import torch_device
+from polydist_torch._storage import is_variable_storage
 
 __all__ = ["Algorithm", "all_gather", "all_reduce", "broadcast", "reduce_to"]
 
@@ -37,6 +43,18 @@ def _nccl_ok(values: Sequence[torch.Tensor], devices: Sequence[torch.device]) ->
         return False
     value_devices = {t.device.index for t in values}
     return len(value_devices) == len(values) and len({d.index for d in devices}) == len(devices)
+
+
+def _alone(values: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> torch.Tensor | None:
+    """The one value, when it is alone and already on its one destination and is no
+    variable's storage: then it is its own sum (and concatenation), handed back as it
+    is. ``None`` otherwise (a copy is made)."""
+    if len(values) != 1 or len(devices) != 1:
+        return None
+    value = values[0]
+    if value.device != devices[0] or is_variable_storage(value):
+        return None
+    return value
 
 
 def _sum_sequential(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -70,6 +88,9 @@ def all_reduce(
     values: Sequence[torch.Tensor], destinations: Sequence[str], algorithm: Algorithm
 ) -> list[torch.Tensor]:
     devices = [torch_device(d) for d in destinations]
+    alone = _alone(values, devices)
+    if alone is not None:
+        return [alone]
     with torch.no_grad():
         if algorithm == "nccl" and _nccl_ok(values, devices):
             root = values[0].device.index
@@ -95,6 +116,9 @@ def all_gather(
     values: Sequence[torch.Tensor], axis: int, destinations: Sequence[str], algorithm: Algorithm
 ) -> list[torch.Tensor]:
     devices = [torch_device(d) for d in destinations]
+    alone = _alone(values, devices)
+    if alone is not None:
+        return [alone]
     axis = axis % values[0].dim()
     with torch.no_grad():
         if algorithm == "nccl" and _nccl_ok(values, devices):

@@ -36,7 +36,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 import polydist as pd
 from polydist.backend import context as _context
 from polydist.backend.tracing import swap_storage
-from polydist_torch._backend import TorchBackend
+from polydist_torch._backend import TorchBackend, _GradMode
+from polydist_torch._storage import mark_variable_storage
 
 __all__ = [
     "DistributedModule",
@@ -85,13 +86,15 @@ def _strategy_for(strategy: pd.Strategy | None, what: str) -> pd.Strategy:
 
 def _replica_index(strategy: pd.Strategy, what: str) -> int | None:
     """This replica's index among the strategy's local replicas, ``None`` outside ``run``."""
-    if not pd.has_strategy():
-        return None
+    # Asked several times per training step: one look at the mode stack in the common
+    # case (inside a run of ``strategy``), has_strategy only when that is not it.
     mode = _context.current_mode()
     ctx = mode.replica_context
     if ctx is None:
         return None
     if mode.strategy is not strategy:
+        if not pd.has_strategy():
+            return None
         raise RuntimeError(
             f"{what} belongs to {strategy!r} but is used inside a run of {mode.strategy!r}; "
             "use it with the strategy it was distributed with."
@@ -221,6 +224,7 @@ class DistributedModule(nn.Module):
                 value = c._read_storage()
                 if value is not t:
                     t.copy_(value)  # the variable's value (the same on every copy)
+                mark_variable_storage(t)  # optimizers and BatchNorm write into it in place
         swap_storage(variable, copies)
 
     # -- what users see ------------------------------------------------------------------
@@ -554,6 +558,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for opt in replicas[1:]:
                 opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         self._strategy = strategy
+        # A strategy's replica count is fixed: one replica in sync sums nothing.
+        self._alone = strategy.num_replicas_in_sync == 1
         self._replicas = tuple(replicas)
         self._reduced: dict[int, bool] = {}
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
@@ -640,11 +646,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if self._reduced.get(r):
             return
+        if self._alone:
+            # One replica in sync: the sum is its own gradients, so nothing is copied.
+            self._reduced[r] = True
+            return
         ctx = pd.get_replica_context()
         assert ctx is not None
         params = self._params(r)
-        if not params or ctx.num_replicas_in_sync == 1:
-            # One replica in sync: the sum is its own gradients, so nothing is copied.
+        if not params:
             self._reduced[r] = True
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -675,9 +684,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad.copy_(total)
         self._reduced[r] = True
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """All-reduces the gradients (SUM) and steps this replica's copy (replica context)."""
+        # torch.no_grad as a decorator clones its context at every call: a plain one here.
+        with _GradMode(False):
+            return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         r = self._index()
         if r is None:
             raise RuntimeError(

@@ -31,6 +31,7 @@ import polydist as pd
 from polydist.backend import nest as _nest
 from polydist.backend.tracing import swap_storage, tracked_variables
 from polydist_torch._backend import TorchBackend
+from polydist_torch._storage import mark_variable_storage
 
 __all__ = ["parameters"]
 
@@ -98,7 +99,10 @@ def parameters(variables: Any) -> list[list[torch.nn.Parameter]]:
                 "pass the parameters (or optimizers built on them) into the run."
             )
         for v in pending:
-            swap_storage(v, [_as_parameter(c) for c in _copies(v)])
+            params = [_as_parameter(c) for c in _copies(v)]
+            for p in params:
+                mark_variable_storage(p)  # optimizers and assign write into it in place
+            swap_storage(v, params)
     (count,) = counts
     return [[_copies(v)[r]._read_storage() for v in chosen] for r in range(count)]
 

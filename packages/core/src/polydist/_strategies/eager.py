@@ -84,6 +84,9 @@ def timeout_seconds_from_env(default: float = DEFAULT_TIMEOUT_SECONDS) -> float:
     text = os.environ.get(TIMEOUT_ENV, "").strip()
     if not text:
         return default
+    cached = _PARSED.get(text)  # read at every run: parse each text once
+    if cached is not None:
+        return cached
     try:
         seconds = float(text)
     except ValueError:
@@ -95,7 +98,12 @@ def timeout_seconds_from_env(default: float = DEFAULT_TIMEOUT_SECONDS) -> float:
             f"before it is reported as stuck; set it to a number above 0, or unset it for "
             f"the default ({default:g} s)."
         )
+    if len(_PARSED) < 64:
+        _PARSED[text] = seconds
     return seconds
+
+
+_PARSED: dict[str, float] = {}
 
 
 def default_timeout() -> float:
@@ -547,6 +555,18 @@ def _leaf_text(leaf: tuple[Any, tuple[Any, ...]]) -> str:
 # -- one run ------------------------------------------------------------------------------
 
 
+_REPLICA_CONTEXT: list[Any] = []
+
+
+def _replica_context_class() -> Any:
+    # Imported once, lazily (replica_context's users import this module).
+    if not _REPLICA_CONTEXT:
+        from polydist._strategies.replica_context import ReplicaContext
+
+        _REPLICA_CONTEXT.append(ReplicaContext)
+    return _REPLICA_CONTEXT[0]
+
+
 class _Run:
     """One run of the replicas: the scheduler."""
 
@@ -584,15 +604,15 @@ class _Run:
         self.watched = mode == "greenlet"
 
     def call_replica(self, slot: _Slot) -> Any:
-        from polydist._strategies.replica_context import ReplicaContext
-
         index = slot.index
         device = self.devices[index]
         replica_id = self.backend.place(np.asarray(index, dtype=np.int32), device)
         channel: ReplicaChannel = _EagerChannel(slot)
         if self.wrap_channel is not None:
             channel = self.wrap_channel(channel, self.offset + index)
-        ctx = ReplicaContext(self.strategy, replica_id, channel=channel, replica_index=index)
+        ctx = _replica_context_class()(
+            self.strategy, replica_id, channel=channel, replica_index=index
+        )
         args, kwargs = self.args[index]
         with ctx, self.backend.device_scope(device):
             return self.fn(*args, **kwargs)

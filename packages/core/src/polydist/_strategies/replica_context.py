@@ -118,8 +118,8 @@ class ReplicaContext:
         _context.require_replica_context(self)
         reduce_op = as_reduce_op(reduce_op)
         check_call_options(options)
-        if self._channel is None:
-            return _variables_snapshot(value)
+        if self._channel is None:  # one replica: the value is its own sum, read at the call
+            return _read_copies(value)
         # One flatten; a variable contributes this replica's copy (its current array).
         if is_array(value):  # the common case (a variable included) skips flattening
             flat, spec = [_operand(value)], None
@@ -178,6 +178,12 @@ class ReplicaContext:
             f"ReplicaContext(replica={self._replica_index}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
+
+
+def _read_copies(value: Any) -> Any:
+    from polydist._valuetypes.variables import read_copies  # see _variables_snapshot
+
+    return read_copies(value)
 
 
 def _variables_snapshot(value: Any) -> Any:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import ContextDecorator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -424,14 +424,8 @@ class Strategy:
         return getattr(self._extended, "_cluster_resolver", None)
 
     # -- scope --------------------------------------------------------------------
-    @contextmanager
-    def _scope_impl(self) -> Iterator[Strategy]:
-        if _context.has_strategy():
-            _context.require_cross_replica_or_default_context(self)
-            yield self
-            return
-        with _context.mode(self, None, self):
-            yield self
+    def _scope_impl(self) -> Any:
+        return _StrategyScope(self)
 
     def scope(self) -> Any:
         """A context manager that makes this strategy current, in cross-replica context.
@@ -611,6 +605,32 @@ class Strategy:
             f"<{type(self).__name__} with {self.num_replicas_in_sync} replica(s) on "
             f"{self._extended._backend_name()}>"
         )
+
+
+class _StrategyScope(ContextDecorator):
+    """``strategy.scope()``: this strategy current, in cross-replica context (inside a
+    scope of the same strategy, nothing more). A plain class, not a generator: every
+    ``strategy.run`` enters one."""
+
+    __slots__ = ("_pushed", "_strategy")
+
+    def __init__(self, strategy: Strategy) -> None:
+        self._strategy = strategy
+        self._pushed: list[bool] = []  # per entry (the object may be entered again inside)
+
+    def __enter__(self) -> Strategy:
+        strategy = self._strategy
+        if _context.has_strategy():
+            _context.require_cross_replica_or_default_context(strategy)
+            self._pushed.append(False)
+        else:
+            _context.push_mode(_context._Mode(strategy, None, strategy))
+            self._pushed.append(True)
+        return strategy
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pushed.pop():
+            _context.pop_mode()
 
 
 def _per_replica_args(

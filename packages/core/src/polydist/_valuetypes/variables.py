@@ -563,6 +563,19 @@ def read_for_reduce(value: Any) -> Any:
     return value
 
 
+def read_copies(value: Any) -> Any:
+    """Replaces the variables in a nest by copies of their current arrays (``read_value``).
+
+    What a collective hands back without communicating (one replica, no channel) must
+    not be a variable's storage: a later write may update that storage in place (torch
+    parameters, optimizers), and TF's result is a value read at the call."""
+    if isinstance(value, Variable):
+        return value.read_value()
+    if not _nest.is_nested(value):
+        return value
+    return _nest.map_structure(lambda x: x.read_value() if isinstance(x, Variable) else x, value)
+
+
 def snapshot(value: Any) -> Any:
     """Replaces the variables in a nest by their current (context-aware) arrays."""
     if isinstance(value, Variable):

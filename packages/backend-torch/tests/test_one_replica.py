@@ -1,0 +1,166 @@
+"""A one-replica collective copies nothing it does not have to.
+
+TF's rule is that an all_reduce leaves its input unmodified, not that it makes a
+copy: one value onto its own device is its own sum, so it comes back as it is.
+The exception is a variable's storage, which later writes (``assign``, torch
+optimizers, BatchNorm) update in place: a result aliasing it would change behind
+the caller's back, so it is copied (TF's result is a value read at the call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import polydist as pd
+import polydist_torch
+from polydist_torch import TorchBackend
+
+CPU0 = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+STRATEGIES = pytest.mark.parametrize(
+    "make",
+    [
+        lambda: pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend()),
+        lambda: pd.OneDeviceStrategy("/cpu:0", backend=TorchBackend()),
+    ],
+    ids=["mirrored-1", "one-device"],
+)
+
+
+def test_backend_hands_one_value_on_its_device_back() -> None:
+    backend = TorchBackend()
+    x = torch.arange(4.0)
+    assert backend.all_reduce([x], [CPU0])[0] is x
+    assert backend.all_gather([x], 0, [CPU0])[0] is x
+    # Two destinations, or two values: distinct new tensors, as before.
+    a, b = backend.all_reduce([x], [CPU0, CPU0])
+    assert a is not x and b is not x and a is not b
+    assert backend.all_reduce([x, x], [CPU0, CPU0])[0].tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+@STRATEGIES
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_all_reduce_returns_the_input_itself(make: Callable[[], pd.Strategy], op: str) -> None:
+    strategy = make()
+    x = torch.arange(3.0)
+    nest = {"a": x, "b": [torch.ones(2, dtype=torch.int32)]}
+
+    def fn() -> Any:
+        ctx = pd.get_replica_context()
+        return ctx.all_reduce(op, x), ctx.all_reduce(op, nest)
+
+    alone, summed = strategy.run(fn)
+    assert alone is x
+    assert summed["a"] is x and summed["b"][0] is nest["b"][0]
+    assert x.tolist() == [0.0, 1.0, 2.0]  # the input is not modified
+
+
+@STRATEGIES
+def test_all_gather_returns_the_input_itself(make: Callable[[], pd.Strategy]) -> None:
+    strategy = make()
+    x = torch.arange(3.0)
+    assert strategy.run(lambda: pd.get_replica_context().all_gather(x, 0)) is x
+
+
+def test_differentiable_all_reduce_shares_the_input_and_keeps_its_gradient() -> None:
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend())
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+
+    def fn() -> Any:
+        y = w * 3.0
+        s = pd.get_replica_context().all_reduce("SUM", y)
+        assert s.data_ptr() == y.data_ptr()  # no copy: a view of y for autograd
+        (s * torch.tensor([5.0, 7.0])).sum().backward()
+        return s.detach()
+
+    assert strategy.run(fn).tolist() == [3.0, 6.0]
+    assert w.grad is not None and w.grad.tolist() == [15.0, 21.0]
+
+
+def _variable(strategy: pd.Strategy, as_parameter: bool) -> Any:
+    with strategy.scope():
+        v = pd.Variable(np.array([1.0, 2.0], np.float32), name="v")
+    if as_parameter:
+        polydist_torch.parameters(v)
+    return v
+
+
+@STRATEGIES
+@pytest.mark.parametrize("as_parameter", [False, True], ids=["tensor", "parameter"])
+def test_a_variable_comes_back_as_a_copy_read_at_the_call(
+    make: Callable[[], pd.Strategy], as_parameter: bool
+) -> None:
+    strategy = make()
+    v = _variable(strategy, as_parameter)
+
+    def fn() -> Any:
+        ctx = pd.get_replica_context()
+        out = ctx.all_reduce("SUM", v), ctx.all_reduce("SUM", [v.value()])[0]
+        v.assign_add(np.array([10.0, 10.0], np.float32))
+        return out
+
+    by_variable, by_value = strategy.run(fn)
+    storage = v.value()
+    # OneDeviceStrategy has no collective (TF's identity): only a variable is read as a
+    # copy there; value() is the live storage (as documented) and comes back as it is.
+    mirrored = isinstance(strategy, pd.MirroredStrategy)
+    for out in (by_variable, by_value) if mirrored else (by_variable,):
+        assert out.data_ptr() != storage.data_ptr()
+        assert out.tolist() == [1.0, 2.0]  # the later assign_add did not reach it
+    assert storage.tolist() == [11.0, 12.0]
+
+
+def test_an_optimizer_step_does_not_reach_an_all_reduced_parameter() -> None:
+    # MirroredStrategy's collective knows the tensor is a variable's storage (a
+    # OneDeviceStrategy has no collective: there only a variable passed as such is read).
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend())
+    v = _variable(strategy, as_parameter=True)
+    (params,) = polydist_torch.parameters(v)  # one replica: one list
+    opt = torch.optim.SGD(params, lr=1.0)
+
+    def fn() -> Any:
+        reduced = pd.get_replica_context().all_reduce("SUM", params[0])
+        params[0].grad = torch.ones(2)
+        opt.step()  # updates the parameter in place
+        return reduced
+
+    assert strategy.run(fn).tolist() == [1.0, 2.0]
+    assert v.numpy().tolist() == [0.0, 1.0]
+
+
+def test_a_distributed_modules_parameters_and_buffers_come_back_as_copies() -> None:
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend())
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    weight = model.module[0].weight
+    mean = model.module[1].running_mean
+
+    def fn() -> Any:
+        ctx = pd.get_replica_context()
+        w, m = ctx.all_reduce("SUM", [weight, mean])
+        before = w.detach().clone(), m.clone()
+        model(torch.randn(4, 2)).sum().backward()  # BatchNorm updates running_mean
+        with torch.no_grad():
+            weight.add_(1.0)
+        return w.detach(), m, before
+
+    w, m, (w0, m0) = strategy.run(fn)
+    assert torch.equal(w, w0) and torch.equal(m, m0)
+    assert not torch.equal(mean, m0) and torch.equal(weight.detach(), w0 + 1.0)
+
+
+def test_several_replicas_still_get_distinct_new_tensors() -> None:
+    strategy = pd.MirroredStrategy(["/cpu:0", "/cpu:1"], backend=TorchBackend())
+    x = torch.ones(2)
+    out = strategy.run(lambda: pd.get_replica_context().all_reduce("SUM", x))
+    a, b = out.values
+    assert a is not x and b is not x and a is not b
+    assert a.tolist() == [2.0, 2.0]
