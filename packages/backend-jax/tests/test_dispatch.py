@@ -176,3 +176,23 @@ def test_divergence_is_hashed_in_one_step_of_check_every(monkeypatch: pytest.Mon
     at_once = _spmd.CHECK_AT_ONCE
     hashed = [i for i, f in enumerate(flags) if f]
     assert hashed == [*range(at_once), _spmd.CHECK_EVERY]
+
+
+def test_the_step_program_holds_no_divergence_hash() -> None:
+    # The divergence check hashes the copies in a program of its own, in the calls that
+    # check: the step itself is the same program with or without it (no branch on a flag,
+    # no extra output).
+    strategy, backend = make()
+    with strategy.scope():
+        v = pd.Variable(np.zeros(4, np.float32))
+
+    def step() -> Any:
+        v.assign(v.value() + 1, read_value=False)
+        return v.value() * 2
+
+    text = backend.lower(strategy, step).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert "ui32" not in main, main  # no fingerprint among the outputs
+    strategy.run(step)
+    assert [c.numpy().tolist() for c in v.values] == [[1.0] * 4] * N
