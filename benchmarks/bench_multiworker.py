@@ -356,7 +356,7 @@ def _available(engine: str) -> bool:
 
 
 def run_engine(engine: str, timeout: float, checked: bool) -> list[dict[str, Any]]:
-    from polydist import _launch
+    from polydist._distributed import launch as _launch
 
     with tempfile.TemporaryDirectory(prefix="polydist-bench-") as tmp:
         out = Path(tmp) / "rows.json"

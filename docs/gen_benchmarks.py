@@ -7,7 +7,7 @@ Two ways to run it:
 * as a script: ``python docs/gen_benchmarks.py`` prints the page (``--out
   FILE`` writes it; ``--check`` only checks that every results file parses).
 
-The ratios are read by ``polydist._cli.bench_rows``, the same code as
+The ratios are read by ``polydist._tools.cli.bench_rows``, the same code as
 ``polydist bench``, so the page and the command always agree.
 """
 
@@ -67,7 +67,7 @@ def _cell(text: str) -> str:
 
 def render(results: Path = RESULTS) -> str:
     """The page's markdown."""
-    from polydist._cli import bench_rows
+    from polydist._tools.cli import bench_rows
 
     files = sorted(results.glob("*.json")) if results.is_dir() else []
     if not files:

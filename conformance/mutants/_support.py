@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import polydist as pd
-from polydist import _context
+from polydist._strategies import context as _context
 from polydist_sim import SimBackend
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from polydist._variables import SyncOnReadVariable, VariableAggregation, _components, _copy
+from polydist._valuetypes.variables import SyncOnReadVariable, VariableAggregation, _components, _copy
 from polydist.checkpoint import _save
 
 from ._support import MutantSim, is_mutant

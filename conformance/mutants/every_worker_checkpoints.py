@@ -6,7 +6,7 @@ for this backend only.
 
 from __future__ import annotations
 
-from polydist._multi_worker import MultiWorkerExtended
+from polydist._distributed.multi_worker import MultiWorkerExtended
 
 from ._support import MutantSim, is_mutant
 

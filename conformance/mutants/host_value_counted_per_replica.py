@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist._multi_worker import MultiWorkerExtended
-from polydist._reduce_op import ReduceOp
+from polydist._distributed.multi_worker import MultiWorkerExtended
+from polydist._base.reduce_op import ReduceOp
 
 from ._support import MutantSim, is_mutant
 

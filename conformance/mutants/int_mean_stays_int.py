@@ -1,7 +1,7 @@
 """MEAN of integers stays an integer (floor division) instead of becoming float64.
 
-The MEAN rule lives in core (polydist._arrays.mean_from_sum, applied by the reduce
-tail in polydist._cross_device_ops.apply_mean), which cannot
+The MEAN rule lives in core (polydist._base.arrays.mean_from_sum, applied by the reduce
+tail in polydist._collectives.cross_device_ops.apply_mean), which cannot
 tell which backend it serves: the patch is global, the oracle shares it, and
 only the cases' documented results catch it.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist import _cross_device_ops, _replica_context
+from polydist._collectives import cross_device_ops as _cross_device_ops
 
+from polydist._strategies import replica_context as _replica_context
 from ._support import MutantSim
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist._strategy import StrategyExtended
+from polydist._strategies.strategy import StrategyExtended
 
 from ._support import MutantSim, is_mutant
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from polydist import ReduceOp
-from polydist._reduce_op import as_reduce_op
-from polydist._replica_context import ReplicaContext
+from polydist._base.reduce_op import as_reduce_op
+from polydist._strategies.replica_context import ReplicaContext
 
 from ._support import MutantSim, is_mutant
 

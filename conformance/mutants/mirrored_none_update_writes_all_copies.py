@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from polydist._variables import MirroredVariable, VariableAggregation
+from polydist._valuetypes.variables import MirroredVariable, VariableAggregation
 
 from ._support import MutantSim, is_mutant
 

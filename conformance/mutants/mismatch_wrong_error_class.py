@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist import _eager
-
+from polydist._strategies import eager as _eager
 from ._support import MutantSim, is_mutant
 
 _original = _eager._Run._mismatch

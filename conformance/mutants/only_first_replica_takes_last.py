@@ -1,6 +1,6 @@
 """A MirroredVariable with aggregation ONLY_FIRST_REPLICA takes the LAST replica's update.
 
-The rule lives in core (``polydist._variables._apply_aggregation``): patched
+The rule lives in core (``polydist._valuetypes.variables._apply_aggregation``): patched
 for this backend only.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist import _variables
-from polydist._variables import VariableAggregation
+from polydist._valuetypes import variables as _variables
+from polydist._valuetypes.variables import VariableAggregation
 
 from ._support import MutantSim, is_mutant
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist._strategy import Strategy
+from polydist._strategies.strategy import Strategy
 from polydist.data._dataset import Dataset, _BatchDataset
 
 from ._support import MutantSim, is_mutant

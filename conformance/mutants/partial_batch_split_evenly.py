@@ -8,7 +8,7 @@ see the backend: patched globally, so only the documented results catch it.
 
 from __future__ import annotations
 
-import polydist._input_lib as input_lib
+import polydist._input.input_lib as input_lib
 from polydist.data import _rebatch
 
 from ._support import MutantSim

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist import _context
-
+from polydist._strategies import context as _context
 from ._support import MutantSim, is_mutant
 
 _original = _context.require_cross_replica_or_default_context

@@ -1,6 +1,6 @@
 """run's regrouping never unwraps a value that is the very same object on every replica.
 
-Regrouping lives in core (polydist._values.regroup as used by _strategy):
+Regrouping lives in core (polydist._valuetypes.values.regroup as used by _strategy):
 the patch is global, so only the cases' documented results catch it.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist import _strategy
-from polydist._values import regroup
+from polydist._strategies import strategy as _strategy
+from polydist._valuetypes.values import regroup
 
 from ._support import MutantSim
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist._variables import SyncOnReadVariable, VariableAggregation
+from polydist._valuetypes.variables import SyncOnReadVariable, VariableAggregation
 
 from ._support import MutantSim, is_mutant
 

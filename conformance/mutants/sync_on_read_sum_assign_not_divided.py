@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from polydist import _variables
-from polydist._variables import SyncOnReadVariable, VariableAggregation
+from polydist._valuetypes import variables as _variables
+from polydist._valuetypes.variables import SyncOnReadVariable, VariableAggregation
 
 from ._support import MutantSim, is_mutant
 

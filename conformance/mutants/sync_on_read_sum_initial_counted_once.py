@@ -2,7 +2,7 @@
 
 Only replica 0's copy starts with the initial value (the others start at
 zero), so a variable created with 5 on N replicas reads 5 instead of 5 N.
-Variable creation lives in core (``polydist._variables.create_variable``):
+Variable creation lives in core (``polydist._valuetypes.variables.create_variable``):
 patched for this backend only.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist import _variables
-from polydist._variables import SyncOnReadVariable, VariableAggregation
+from polydist._valuetypes import variables as _variables
+from polydist._valuetypes.variables import SyncOnReadVariable, VariableAggregation
 
 from ._support import MutantSim, is_mutant
 

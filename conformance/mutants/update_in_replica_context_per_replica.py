@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from polydist import _context, _variables
-from polydist._extended_mixin import ExtendedVariablesMixin
+from polydist._strategies import context as _context
+
+from polydist._valuetypes import variables as _variables
+from polydist._strategies.extended_mixin import ExtendedVariablesMixin
 
 from ._support import MutantSim, is_mutant
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydist._strategy import Strategy
-from polydist._values import ValueContext
+from polydist._strategies.strategy import Strategy
+from polydist._valuetypes.values import ValueContext
 
 from ._support import MutantSim, is_mutant
 

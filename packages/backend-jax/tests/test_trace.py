@@ -8,6 +8,7 @@ import numpy as np
 from jax_testutil import distribute
 
 import polydist as pd
+from polydist._collectives.trace import Trace
 from polydist_jax import JaxBackend
 from polydist_sim import SimBackend
 
@@ -26,7 +27,7 @@ def step(x: Any) -> Any:
     return ctx().all_gather(total["a"] + mean, 0)
 
 
-def summary(t: pd._trace.Trace) -> list[tuple[Any, ...]]:
+def summary(t: Trace) -> list[tuple[Any, ...]]:
     return [(e.step, e.op, e.reduce_op, e.dtype, e.shape, e.nbytes, e.source) for e in t.events]
 
 

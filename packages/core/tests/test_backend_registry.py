@@ -88,7 +88,7 @@ def test_core_alone_runs_mirrored_strategy_on_the_sim() -> None:
 def test_core_alone_runs_the_demo_with_an_unpriced_trace(tmp_path: Any) -> None:
     trace = tmp_path / "trace.json"
     argv = ["demo", "--replicas", "2", "--steps", "2", "--trace", str(trace)]
-    code = _CORE_ALONE + f"from polydist._cli import main\nraise SystemExit(main({argv!r}))\n"
+    code = _CORE_ALONE + f"from polydist._tools.cli import main\nraise SystemExit(main({argv!r}))\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "polydist trace: 6 collectives in 2 steps" in done.stdout

@@ -14,7 +14,7 @@ import pytest
 
 import polydist as pd
 from polydist import checkpoint
-from polydist._cli import main
+from polydist._tools.cli import main
 
 VA = pd.VariableAggregation
 VS = pd.VariableSynchronization

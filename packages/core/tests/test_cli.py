@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from polydist import _backend
-from polydist import _cli as cli_module
-from polydist._cli import bench_rows, find_benchmarks_dir, main
+from polydist._tools import cli as cli_module
+from polydist._tools.cli import bench_rows, find_benchmarks_dir, main
+from polydist.backend import _contract as _backend
 
 SIM_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 
@@ -155,7 +155,7 @@ def test_demo_prints_the_comparison(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_demo_progress_bar() -> None:
     pytest.importorskip("tqdm")
-    from polydist._demo import run_demo
+    from polydist._tools.demo import run_demo
 
     out = io.StringIO()
     assert run_demo(replicas=2, steps=10, out=out, progress=True)
@@ -167,7 +167,7 @@ def test_demo_progress_bar() -> None:
 
 
 def test_demo_without_tqdm_falls_back_to_text(monkeypatch: pytest.MonkeyPatch) -> None:
-    from polydist._demo import run_demo
+    from polydist._tools.demo import run_demo
 
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
     out = io.StringIO()
@@ -181,7 +181,7 @@ def test_demo_with_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["demo", "--replicas", "2", "--steps", "3", "--trace", str(path)]) == 0
     out = capsys.readouterr().out
     assert "polydist trace: 9 collectives in 3 steps" in out
-    assert "_demo.py:" in out and "in replica_step" in out
+    assert "demo.py:" in out and "in replica_step" in out
     assert f"Chrome trace written to {path}" in out
     assert "'predicted' column and the trace's durations are for 8xH100-NVLink" in out
     assert "Predicted communication time per step" in out
@@ -436,8 +436,8 @@ def test_bench_never_runs_scripts_found_from_the_working_directory(
     # An editable install: this checkout's own benchmarks/; installed from a wheel (as nox
     # installs it): none, and `polydist bench` asks for --dir.
     module = Path(cli_module.__file__).resolve()
-    editable = module.parents[3].name == "packages" and module.parents[2].name == "core"
-    assert found == (module.parents[4] / "benchmarks" if editable else None)
+    editable = module.parents[4].name == "packages" and module.parents[3].name == "core"
+    assert found == (module.parents[5] / "benchmarks" if editable else None)
     assert main(["bench", "--only", "planted"]) == 2
     err = capsys.readouterr().err
     assert ("no benchmark named 'planted'" if editable else "--dir PATH") in err
@@ -448,8 +448,8 @@ def test_bench_never_runs_scripts_found_from_the_working_directory(
 def test_bench_without_a_checkout_asks_for_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # As if installed from a wheel: site-packages/polydist/_cli.py has no checkout above it.
-    fake = tmp_path / "site-packages" / "polydist" / "_cli.py"
+    # As if installed from a wheel: site-packages/polydist/_tools/cli.py has no checkout above it.
+    fake = tmp_path / "site-packages" / "polydist" / "_tools" / "cli.py"
     monkeypatch.setattr(cli_module, "__file__", str(fake))
     assert find_benchmarks_dir() is None
     assert main(["bench", "--no-run"]) == 2
@@ -474,7 +474,7 @@ def test_bench_without_a_checkout_asks_for_dir(
 def test_demo_gives_jax_as_many_cpu_devices_as_replicas(
     monkeypatch: pytest.MonkeyPatch, before: str | None, after: str
 ) -> None:
-    from polydist._cli import _host_devices_for_jax
+    from polydist._tools.cli import _host_devices_for_jax
 
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("POLYDIST_BACKEND", raising=False)
@@ -489,7 +489,7 @@ def test_demo_gives_jax_as_many_cpu_devices_as_replicas(
 def test_demo_leaves_xla_flags_alone_where_they_do_not_apply(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from polydist._cli import _host_devices_for_jax
+    from polydist._tools.cli import _host_devices_for_jax
 
     monkeypatch.setenv("XLA_FLAGS", "")  # restored after the test
     monkeypatch.delenv("XLA_FLAGS")

@@ -1,4 +1,4 @@
-"""Cross-process collective agreement (polydist._collective_check), with an in-memory store.
+"""Cross-process collective agreement (polydist._collectives.check), with an in-memory store.
 
 Each "worker" is a thread with its own `CollectiveChecker` over one shared store, as each
 process has its own over the engine's store; the engines' tests run real processes.
@@ -15,15 +15,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from polydist import _multi_process
-from polydist._collective_check import (
+from polydist._collectives.check import (
     CHECK_ENV,
     CollectiveChecker,
     PeerMissing,
     checks_enabled,
     collective_intent,
 )
-from polydist._multi_process import Heartbeat
+from polydist._distributed import multi_process as _multi_process
+from polydist._distributed.multi_process import Heartbeat
 from polydist.errors import CollectiveMismatchError
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from polydist._devices import DeviceSpec, canonicalize
+from polydist._base.devices import DeviceSpec, canonicalize
 
 GPU1 = "/job:localhost/replica:0/task:0/device:GPU:1"
 

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import polydist as pd
-from polydist._input_lib import PerReplicaSpec, make_numpy_dataset
+from polydist._input.input_lib import PerReplicaSpec, make_numpy_dataset
 from polydist.data import (
     AutoShardPolicy,
     AutoShardWarning,
@@ -752,7 +752,7 @@ def test_make_numpy_dataset_is_from_tensor_slices() -> None:
 
 def mwms(num_workers: int, devices_per_worker: int = 1, task_id: int = 0) -> pd.Strategy:
     """The sim's MultiWorkerMirroredStrategy: every worker runs in this process."""
-    multi_worker = pytest.importorskip("polydist._multi_worker")
+    multi_worker = pytest.importorskip("polydist._distributed.multi_worker")
     from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver
 
     resolver = SimpleClusterResolver(

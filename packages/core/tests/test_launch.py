@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from polydist import _launch
-from polydist._cli import main
+from polydist._distributed import launch as _launch
+from polydist._tools.cli import main
 
 pytestmark = pytest.mark.skipif(
     sys.platform == "win32", reason="process groups and signals are POSIX"
@@ -259,7 +259,7 @@ def test_a_stop_signal_to_the_launcher_stops_the_workers(tmp_path: Path, sig: st
         [
             sys.executable,
             "-m",
-            "polydist._cli",
+            "polydist._tools.cli",
             "launch",
             "-n",
             "2",

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist import _multi_process as mp
 from polydist import errors
+from polydist._distributed import multi_process as mp
 from polydist.backend import Capabilities, ReplicaChannel
 from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver, TFConfigClusterResolver
 from polydist.experimental import CommunicationOptions

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist._cluster import id_in_cluster, is_chief, worker_count
+from polydist._distributed.cluster import id_in_cluster, is_chief, worker_count
 from polydist.cluster_resolver import (
     ClusterSpec,
     SimpleClusterResolver,

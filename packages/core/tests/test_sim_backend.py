@@ -67,7 +67,7 @@ def test_orders_change_the_bits_visibly() -> None:
 
 
 def test_demo_agrees_with_single_device_training() -> None:
-    from polydist._demo import run_demo
+    from polydist._tools.demo import run_demo
 
     out = io.StringIO()
     assert run_demo(replicas=8, steps=5, out=out)
@@ -78,7 +78,7 @@ def test_demo_agrees_with_single_device_training() -> None:
 
 
 def test_cli_demo_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    from polydist._cli import main
+    from polydist._tools.cli import main
 
     assert main(["demo", "--replicas", "2", "--steps", "2"]) == 0
     assert "step   2/2" in capsys.readouterr().out

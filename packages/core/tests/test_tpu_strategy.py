@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist._tpu_strategy import LogicalDeviceAnnotation, TPUHardwareFeature, TPUReplicaContext
+from polydist._strategies.tpu_strategy import (
+    LogicalDeviceAnnotation,
+    TPUHardwareFeature,
+    TPUReplicaContext,
+)
 from polydist.cluster_resolver import TPUClusterResolver, set_accelerator_device_lister
 from polydist.errors import InvalidArgumentError
 from polydist.tpu import DeviceAssignment

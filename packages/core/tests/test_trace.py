@@ -1,4 +1,4 @@
-"""Tests for polydist._trace: recording, steps, call sites, Chrome JSON, summary."""
+"""Tests for polydist._collectives.trace: recording, steps, call sites, Chrome JSON, summary."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from polydist import _trace
-from polydist._trace import (
+from polydist._collectives import trace as _trace
+from polydist._collectives.trace import (
     CollectiveEvent,
     Trace,
     begin_step,
@@ -232,7 +232,7 @@ def _fake_module(name: str, filename: str, source: str) -> types.ModuleType:
 
 
 _FAKE_BACKEND_SRC = """
-from polydist._trace import record_collective
+from polydist._collectives.trace import record_collective
 
 def all_reduce(nbytes):
     return _inner(nbytes)
@@ -275,7 +275,7 @@ def test_user_source_line_custom_skip_packages() -> None:
     helper = _fake_module(
         "mylib.helpers",
         "/nowhere/helpers.py",
-        "from polydist._trace import user_source_line\n"
+        "from polydist._collectives.trace import user_source_line\n"
         "def where(skip):\n"
         "    return user_source_line(skip_packages=skip)\n",
     )
@@ -288,9 +288,12 @@ def test_user_source_line_custom_skip_packages() -> None:
 
 def test_user_source_line_skips_by_file_location() -> None:
     # A frame without a polydist __name__ but whose file is inside the polydist package.
-    pkg_dir = _trace.__file__.rsplit("_trace.py", 1)[0]
+    pkg_dir = _trace.__file__.rsplit("trace.py", 1)[0]
     mod = types.ModuleType("not_polydist")
-    src = "from polydist._trace import user_source_line\ndef f():\n    return user_source_line()\n"
+    src = (
+        "from polydist._collectives.trace import user_source_line\n"
+        "def f():\n    return user_source_line()\n"
+    )
     exec(compile(src, pkg_dir + "_virtual.py", "exec"), mod.__dict__)
     line = sys._getframe().f_lineno + 1
     got = mod.f()

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist import _nest, checkpoint
+from polydist import checkpoint
+from polydist._valuetypes import nest as _nest
 from polydist.backend import register_tree_system
 
 

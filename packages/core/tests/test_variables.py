@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist import _variables
-from polydist._devices import HOST_DEVICE
+from polydist._base.devices import HOST_DEVICE
+from polydist._valuetypes import variables as _variables
 from polydist.debugging import ReplicaDivergenceError, check_replicas_identical
 from polydist.errors import InvalidArgumentError
 from polydist_sim import SimBackend
@@ -701,7 +701,7 @@ def test_sync_on_read_sum_splits_by_every_replica_in_sync_not_local_copies() -> 
     # but TF stores value / N over all N replicas in sync.
     from types import SimpleNamespace
 
-    from polydist._variables import _global_copies
+    from polydist._valuetypes.variables import _global_copies
 
     local_view = SimpleNamespace(
         _distribute_strategy=SimpleNamespace(num_replicas_in_sync=4), _values=(0, 1)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist import _variables
+from polydist._valuetypes import variables as _variables
 from polydist.errors import InvalidArgumentError
 
 VA = pd.VariableAggregation

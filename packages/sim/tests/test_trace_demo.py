@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist import _demo
-from polydist._cli import main
-from polydist._trace import CollectiveEvent, Trace
+from polydist._collectives import trace as _trace
+from polydist._collectives.trace import CollectiveEvent, Trace
+from polydist._tools import demo as _demo
+from polydist._tools.cli import main
 from polydist_sim import cost_model
 
 REPLICAS = 4
@@ -149,7 +150,7 @@ def test_trace_records_every_collective_of_the_demo() -> None:
     # Each step all-reduces one nest (grad_w, grad_b, loss_sum): one event per leaf.
     assert t.steps == STEPS
     assert len(t) == 3 * STEPS
-    source = f"_demo.py:{_all_reduce_line()} in replica_step"
+    source = f"demo.py:{_all_reduce_line()} in replica_step"
     for step, events in t.by_step().items():
         assert [(e.op, e.reduce_op, e.dtype, e.shape, e.nbytes) for e in events] == [
             ("all_reduce", "SUM", "float32", (_demo.FEATURES,), 4 * _demo.FEATURES),
@@ -220,7 +221,7 @@ def test_unknown_topology_or_algorithm_fails_when_the_trace_starts() -> None:
         pd.trace(topology="nope").__enter__()
     with pytest.raises(ValueError, match=r"unknown algorithm 'fast'"):
         pd.trace(topology="8xH100-NVLink", algorithm="fast").__enter__()
-    assert not pd._trace.is_tracing()
+    assert not _trace.is_tracing()
 
 
 def test_cli_trace_file_matches_the_schema(

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist import _nest, checkpoint
+from polydist import checkpoint
+from polydist._valuetypes import nest as _nest
 from polydist_conformance import Conformance
 from polydist_conformance.cases._helpers import replica_context
 

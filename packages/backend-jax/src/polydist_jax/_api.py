@@ -7,7 +7,8 @@ from typing import Any
 import jax
 from jax import lax
 
-from polydist import Mirrored, Strategy, _context
+from polydist import Mirrored, Strategy
+from polydist._strategies import context as _context
 from polydist_jax._devices import jax_device
 from polydist_jax._lazy import AXIS, is_tracer, is_varying
 from polydist_jax._spmd import SpmdChannel

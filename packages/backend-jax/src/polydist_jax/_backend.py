@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from polydist import _variables
-from polydist._values import select_replica
+from polydist._valuetypes import variables as _variables
+from polydist._valuetypes.values import select_replica
 from polydist.backend import Capabilities, EagerReplicaRunner
 from polydist_jax import _collectives, _devices, _functional, _input, _namespace, _tpu
 from polydist_jax._eager_grad import DifferentiableChannel, MovedArrays

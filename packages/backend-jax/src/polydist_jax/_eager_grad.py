@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polydist import _nest
-from polydist._backend import ReplicaChannel
-from polydist._context import get_replica_context
-from polydist._reduce_op import ReduceOp
+from polydist._base.reduce_op import ReduceOp
+from polydist._strategies.context import get_replica_context
+from polydist._valuetypes import nest as _nest
+from polydist.backend._contract import ReplicaChannel
 from polydist_jax._lazy import is_tracer
 
 __all__ = ["DifferentiableChannel", "MovedArrays"]

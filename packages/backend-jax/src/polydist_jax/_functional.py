@@ -7,7 +7,7 @@ per-device copies as an input sharded over the replica mesh, so every
 replica gets its own copy, and returns the new copy of each variable it
 wrote. While ``fn`` is traced, each copy's storage (core's
 ``_read_storage``/``_write_storage`` hook, reached through
-``polydist._variables.swap_storage``) holds traced values, and core's
+``polydist._valuetypes.variables.swap_storage``) holds traced values, and core's
 variable code runs unchanged on them; afterwards the concrete arrays are put
 back (also when tracing fails), and the program's outputs replace the copies
 that were written.
@@ -49,8 +49,9 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from polydist import _nest, _variables
-from polydist._variables import (
+from polydist._valuetypes import nest as _nest
+from polydist._valuetypes import variables as _variables
+from polydist._valuetypes.variables import (
     DistributedVariable,
     Variable,
     storage_arrays,

@@ -46,12 +46,21 @@ from jax import lax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from polydist import _communication, _context, _nest, _trace, _variables
-from polydist._arrays import convert_to_array, describe, dtype_name
-from polydist._reduce_op import ReduceOp
-from polydist._replica_context import ReplicaContext
-from polydist._values import DistributedValues, value_container
-from polydist._variables import DistributedVariable, Variable, storage_arrays, swap_storage
+from polydist._base import communication as _communication
+from polydist._base.arrays import convert_to_array, describe, dtype_name
+from polydist._base.reduce_op import ReduceOp
+from polydist._collectives import trace as _trace
+from polydist._strategies import context as _context
+from polydist._strategies.replica_context import ReplicaContext
+from polydist._valuetypes import nest as _nest
+from polydist._valuetypes import variables as _variables
+from polydist._valuetypes.values import DistributedValues, value_container
+from polydist._valuetypes.variables import (
+    DistributedVariable,
+    Variable,
+    storage_arrays,
+    swap_storage,
+)
 from polydist.backend import pack_by_dtype
 from polydist_jax import _functional, _input
 from polydist_jax._devices import jax_device

@@ -67,8 +67,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 import polydist as pd
-from polydist import _context
-from polydist._variables import Variable as _PdVariable
+from polydist._strategies import context as _context
+from polydist._valuetypes.variables import Variable as _PdVariable
 from polydist_jax import _functional
 
 __all__ = ["distribute", "is_distributed", "variables"]

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from polydist._devices import DeviceSpec
+from polydist._base.devices import DeviceSpec
 
 __all__ = [
     "MAX_VIRTUAL_CPU_REPLICAS",

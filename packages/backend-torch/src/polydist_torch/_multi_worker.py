@@ -43,7 +43,7 @@ Bounds and faults (``CommunicationOptions.timeout_seconds``, default
 
 Agreement: before each collective every worker publishes its signature (op,
 reduce op, dtype, shape, call site) to the store and compares the others'
-(``polydist._collective_check``); workers that disagree all raise
+(``polydist._collectives.check``); workers that disagree all raise
 ``CollectiveMismatchError`` before issuing it (unchecked, gloo would hang,
 abort the process or return wrong values). ``POLYDIST_CHECK_COLLECTIVES=0``
 turns this off; a process group the program initialized itself is not
@@ -72,12 +72,12 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.torch_version import TorchVersion
 
 import polydist as pd
-from polydist import _multi_process as mp
 from polydist import errors
-from polydist._collective_check import PeerMissing
-from polydist._communication import CommunicationOptions
-from polydist._devices import DeviceSpec
-from polydist._multi_process import (
+from polydist._base.communication import CommunicationOptions
+from polydist._base.devices import DeviceSpec
+from polydist._collectives.check import PeerMissing
+from polydist._distributed import multi_process as mp
+from polydist._distributed.multi_process import (
     DEFAULT_TIMEOUT_SECONDS,
     HEARTBEAT_SECONDS,
     describe_workers,

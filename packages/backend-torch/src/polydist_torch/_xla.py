@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from polydist import ReduceOp, ReplicaContext
-from polydist._devices import DeviceSpec
-from polydist._nest import flatten, unflatten
+from polydist._base.devices import DeviceSpec
+from polydist._valuetypes.nest import flatten, unflatten
 from polydist.backend import Capabilities
 from polydist.tpu import LocalTPUSystem
 from polydist_torch import _low_precision

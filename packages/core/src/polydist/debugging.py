@@ -11,12 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from polydist import _context, _nest
-from polydist._arrays import describe, is_floating
-from polydist._backend import Backend
-from polydist._strategy import Strategy
-from polydist._values import DistributedValues, Mirrored
-from polydist._variables import MirroredVariable, Variable, tracked_variables
+from polydist._base.arrays import describe, is_floating
+from polydist._strategies import context as _context
+from polydist._strategies.strategy import Strategy
+from polydist._valuetypes import nest as _nest
+from polydist._valuetypes.values import DistributedValues, Mirrored
+from polydist._valuetypes.variables import MirroredVariable, Variable, tracked_variables
+from polydist.backend._contract import Backend
 from polydist.errors import InvalidArgumentError
 
 __all__ = ["ReplicaDivergenceError", "check_replicas_identical"]

@@ -52,16 +52,16 @@ from typing import Any
 
 import numpy as np
 
-from polydist import _context
-from polydist._arrays import convert_to_array, dtype_name, is_array
-from polydist._backend import Backend, backends_owning, get_backend_for_value, is_symbolic
-from polydist._values import DistributedValues
-from polydist._variables import (
+from polydist._base.arrays import convert_to_array, dtype_name, is_array
+from polydist._strategies import context as _context
+from polydist._valuetypes.values import DistributedValues
+from polydist._valuetypes.variables import (
     SyncOnReadVariable,
     Variable,
     VariableAggregation,
     VariableSynchronization,
 )
+from polydist.backend._contract import Backend, backends_owning, get_backend_for_value, is_symbolic
 
 __all__ = [
     "Accuracy",

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from polydist import _context
-from polydist._arrays import convert_to_array, describe, is_floating
-from polydist._backend import backends_owning, get_backend_for_value
-from polydist._reduce_op import ReduceOp
+from polydist._base.arrays import convert_to_array, describe, is_floating
+from polydist._base.reduce_op import ReduceOp
+from polydist._strategies import context as _context
+from polydist.backend._contract import backends_owning, get_backend_for_value
 
 __all__ = ["compute_average_loss", "compute_average_loss_exact", "scale_regularization_loss"]
 

@@ -137,7 +137,7 @@ class SimBackend:
         those of the ``(job, task)`` pairs in ``simulated_tasks``: the workers
         or TPU hosts that a strategy simulates in this process.
         """
-        from polydist._devices import DeviceSpec
+        from polydist._base.devices import DeviceSpec
 
         for d in devices:
             spec = DeviceSpec.parse(d)
@@ -170,7 +170,7 @@ class SimBackend:
         set_accelerator_device_lister``) through which ``ClusterResolver.
         num_accelerators()`` counts them, replacing any lister installed before.
         """
-        from polydist._devices import DeviceSpec
+        from polydist._base.devices import DeviceSpec
 
         if not 0 <= worker_index < len(worker_devices):
             raise ValueError(

@@ -103,7 +103,7 @@ dependency of the sim: it is imported only when a user-defined dtype (one
 that NumPy does not define) arrives.  Non-numeric dtypes, bool included, and
 ml_dtypes' other dtypes (int4, complex32, ...) are rejected with
 :class:`TypeError` in every order; core refuses a SUM or MEAN of bool with
-TF's reason before any backend sums (``polydist._arrays.check_summable``).
+TF's reason before any backend sums (``polydist._base.arrays.check_summable``).
 Every order returns a new array (never one of the inputs) with the inputs'
 shape and dtype; floating-point warnings are suppressed since overflow to
 inf is a legitimate result of a sum.

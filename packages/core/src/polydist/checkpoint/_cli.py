@@ -1,6 +1,6 @@
 """``polydist checkpoint inspect|convert``: what a checkpoint holds, and old ones rewritten.
 
-Added to the ``polydist`` command by :mod:`polydist._cli` (``_add_checkpoint``).
+Added to the ``polydist`` command by :mod:`polydist._tools.cli` (``_add_checkpoint``).
 """
 
 from __future__ import annotations

@@ -36,10 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from polydist import _context, _nest
-from polydist._arrays import dtype_name
-from polydist._strategy import Strategy
-from polydist._variables import (
+from polydist._base.arrays import dtype_name
+from polydist._strategies import context as _context
+from polydist._strategies.strategy import Strategy
+from polydist._valuetypes import nest as _nest
+from polydist._valuetypes.variables import (
     DistributedVariable,
     MirroredVariable,
     SyncOnReadVariable,

@@ -45,7 +45,7 @@ import dataclasses
 import os
 from typing import Any
 
-from polydist._backend import ENV_VAR, Backend, get_backend, local_tpu_system
+from polydist.backend._contract import ENV_VAR, Backend, get_backend, local_tpu_system
 from polydist.cluster_resolver._base import ClusterResolver, format_master_url
 from polydist.cluster_resolver._cluster_spec import ClusterSpec
 from polydist.tpu import LocalTPUSystem, SliceSpec, Topology, known_slice_names, simulated_slice

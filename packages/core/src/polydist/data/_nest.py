@@ -2,7 +2,7 @@
 
 tf.data's nest (``tf.data.util.nest``) treats tuples, namedtuples and dicts as
 structure and a Python list as one value (it becomes a tensor); None is a leaf.
-``polydist._nest`` follows ``tf.nest`` instead, where lists are structure, which
+``polydist._valuetypes.nest`` follows ``tf.nest`` instead, where lists are structure, which
 is why the input pipeline has its own helpers.
 """
 

@@ -38,9 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from polydist import _context, _nest
-from polydist._arrays import dtype_name
-from polydist._variables import Variable, VariableAggregation, _components
+from polydist._base.arrays import dtype_name
+from polydist._strategies import context as _context
+from polydist._valuetypes import nest as _nest
+from polydist._valuetypes.variables import Variable, VariableAggregation, _components
 from polydist.checkpoint._io import (
     CheckpointError,
     CheckpointNotFoundError,

@@ -1,10 +1,12 @@
 """``polydist.compat.v1.distribute.experimental``: ``tf.compat.v1.distribute.experimental``."""
 
-from polydist._communication import CollectiveCommunication as CollectiveCommunication
-from polydist._communication import CommunicationImplementation as CommunicationImplementation
-from polydist._communication import CommunicationOptions as CommunicationOptions
-from polydist._compat_v1 import CollectiveAllReduceStrategyV1 as MultiWorkerMirroredStrategy
-from polydist._compat_v1 import TPUStrategyV1 as TPUStrategy
+from polydist._base.communication import CollectiveCommunication as CollectiveCommunication
+from polydist._base.communication import CommunicationImplementation as CommunicationImplementation
+from polydist._base.communication import CommunicationOptions as CommunicationOptions
+from polydist._strategies.compat_v1 import (
+    CollectiveAllReduceStrategyV1 as MultiWorkerMirroredStrategy,
+)
+from polydist._strategies.compat_v1 import TPUStrategyV1 as TPUStrategy
 
 __all__ = [
     "CollectiveCommunication",

@@ -34,9 +34,9 @@ from polydist.errors import BackendNotFoundError
 if TYPE_CHECKING:
     import numpy as np
 
-    from polydist._communication import CommunicationOptions
-    from polydist._reduce_op import ReduceOp
-    from polydist._strategy import StrategyExtended
+    from polydist._base.communication import CommunicationOptions
+    from polydist._base.reduce_op import ReduceOp
+    from polydist._strategies.strategy import StrategyExtended
     from polydist.cluster_resolver import ClusterResolver
     from polydist.tpu import LocalTPUSystem
 
@@ -109,7 +109,7 @@ class Capabilities:
     #: Variables can be read and written inside ``strategy.run`` (replica context).
     #: ``None`` (the default): ``execution_model == "eager"`` (see ``has``). An eager
     #: backend calls each replica in Python, where core handles variables; an SPMD
-    #: backend must functionalize them (``polydist._variables.swap_storage``) and
+    #: backend must functionalize them (``polydist._valuetypes.variables.swap_storage``) and
     #: declare ``True``.
     variables_in_replica_context: bool | None = None
     #: ``TPUStrategy`` and ``MultiWorkerMirroredStrategy`` accept slices and clusters of

@@ -5,7 +5,7 @@ TF reads it). The strategy object stands for ONE worker, the current task,
 as in TF: ``worker_devices`` and ``experimental_local_results`` are that
 worker's, ``should_checkpoint`` is True on the chief only.
 
-Where the workers run is the backend's choice (`polydist._cluster`). The
+Where the workers run is the backend's choice (`polydist._distributed.cluster`). The
 simulator runs W workers x D devices in this one process: one ``run`` calls
 all W*D replicas, so every collective spans all workers, with replica ids
 ``0..W*D-1`` ordered by worker (the chief first, then ``worker`` tasks by
@@ -23,10 +23,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
-from polydist import _cross_device_ops, _nest
-from polydist._arrays import convert_to_array
-from polydist._backend import Backend, SupportsWorkerProcesses, get_backend, worker_processes
-from polydist._cluster import (
+from polydist._base.arrays import convert_to_array
+from polydist._base.communication import (
+    CommunicationImplementation,
+    CommunicationOptions,
+)
+from polydist._base.devices import DeviceSpec, canonicalize
+from polydist._base.reduce_op import ReduceOp
+from polydist._collectives import cross_device_ops as _cross_device_ops
+from polydist._distributed.cluster import (
     InReplicaContext,
     connect_cluster,
     id_in_cluster,
@@ -34,15 +39,16 @@ from polydist._cluster import (
     normalize_cluster_spec,
     worker_count,
 )
-from polydist._communication import (
-    CommunicationImplementation,
-    CommunicationOptions,
+from polydist._strategies.replica_context import ReplicaContext
+from polydist._strategies.strategy import MirroredExtended, Strategy, StrategyExtended
+from polydist._valuetypes import nest as _nest
+from polydist._valuetypes.values import DistributedValues, Mirrored, select_replica
+from polydist.backend._contract import (
+    Backend,
+    SupportsWorkerProcesses,
+    get_backend,
+    worker_processes,
 )
-from polydist._devices import DeviceSpec, canonicalize
-from polydist._reduce_op import ReduceOp
-from polydist._replica_context import ReplicaContext
-from polydist._strategy import MirroredExtended, Strategy, StrategyExtended
-from polydist._values import DistributedValues, Mirrored, select_replica
 from polydist.cluster_resolver import (
     ClusterResolver,
     ClusterSpec,
@@ -416,7 +422,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             cluster_resolver = cluster.resolver
             an_engine = backend is not None and not isinstance(backend, str)
             if an_engine or local_devices is not None or _several_workers(cluster_resolver):
-                from polydist._multi_process import MultiProcessExtended
+                from polydist._distributed.multi_process import MultiProcessExtended
 
                 engine = processes.worker_process_engine(cluster, local_devices)
                 super().__init__(

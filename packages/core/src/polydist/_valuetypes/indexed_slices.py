@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from polydist._arrays import convert_to_array, describe, dtype_name, mean_from_sum
-from polydist._reduce_op import ReduceOp
+from polydist._base.arrays import convert_to_array, describe, dtype_name, mean_from_sum
+from polydist._base.reduce_op import ReduceOp
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from polydist._backend import Backend
+    from polydist.backend._contract import Backend
 
 __all__ = ["IndexedSlices"]
 

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from polydist._replica_context import ReplicaContext
-    from polydist._strategy import Strategy
+    from polydist._strategies.replica_context import ReplicaContext
+    from polydist._strategies.strategy import Strategy
 
 __all__ = [
     "experimental_set_strategy",
@@ -69,10 +69,10 @@ def _get_default_mode() -> _Mode:
     if _default_mode is None:
         with _default_lock:
             if _default_mode is None:
-                from polydist._strategy import _make_default_strategy
+                from polydist._strategies.strategy import _make_default_strategy
 
                 strategy = _make_default_strategy()
-                from polydist._replica_context import _DefaultReplicaContext
+                from polydist._strategies.replica_context import _DefaultReplicaContext
 
                 _default_mode = _Mode(strategy, _DefaultReplicaContext(strategy), None)
     return _default_mode

@@ -7,9 +7,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from polydist._context import get_replica_context
-from polydist._reduce_op import ReduceOp
-from polydist._strategy import MirroredStrategy
+from polydist._base.reduce_op import ReduceOp
+from polydist._strategies.context import get_replica_context
+from polydist._strategies.strategy import MirroredStrategy
 
 FEATURES = 16
 PER_REPLICA_BATCH = 32

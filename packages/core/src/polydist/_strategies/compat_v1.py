@@ -25,17 +25,16 @@ import copy
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from polydist import _context, _nest
-from polydist._backend import Backend
-from polydist._cluster import normalize_cluster_spec
-from polydist._communication import (
+from polydist._base.communication import (
     CommunicationImplementation,
     CommunicationOptions,
 )
-from polydist._input_lib import DistributedDataset, DistributedIterator, make_numpy_dataset
-from polydist._multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
-from polydist._reduce_op import ReduceOp
-from polydist._strategy import (
+from polydist._base.reduce_op import ReduceOp
+from polydist._distributed.cluster import normalize_cluster_spec
+from polydist._distributed.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
+from polydist._input.input_lib import DistributedDataset, DistributedIterator, make_numpy_dataset
+from polydist._strategies import context as _context
+from polydist._strategies.strategy import (
     MirroredExtended,
     MirroredStrategy,
     OneDeviceExtended,
@@ -44,7 +43,9 @@ from polydist._strategy import (
     StrategyExtended,
     _check_reduce_op,
 )
-from polydist._tpu_strategy import TPUExtended, TPUStrategy
+from polydist._strategies.tpu_strategy import TPUExtended, TPUStrategy
+from polydist._valuetypes import nest as _nest
+from polydist.backend._contract import Backend
 from polydist.cluster_resolver import ClusterResolver, ClusterSpec, TPUClusterResolver
 from polydist.data import Dataset, InputContext, InputReplicationMode
 

@@ -38,18 +38,19 @@ from typing import TYPE_CHECKING, Any, Literal
 import greenlet
 import numpy as np
 
-from polydist import _context, _trace
-from polydist._arrays import dtype_name
-from polydist._backend import batch_all_reduce
-from polydist._collective_check import collective_intent
-from polydist._communication import CommunicationOptions, bytes_per_pack, current_call_options
-from polydist._reduce_op import ReduceOp
-from polydist._values import regroup, select_replica
+from polydist._base.arrays import dtype_name
+from polydist._base.communication import CommunicationOptions, bytes_per_pack, current_call_options
+from polydist._base.reduce_op import ReduceOp
+from polydist._collectives import trace as _trace
+from polydist._collectives.check import collective_intent
+from polydist._strategies import context as _context
+from polydist._valuetypes.values import regroup, select_replica
+from polydist.backend._contract import batch_all_reduce
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
 
 if TYPE_CHECKING:
-    from polydist._backend import Backend, ReplicaChannel
-    from polydist._strategy import StrategyExtended
+    from polydist._strategies.strategy import StrategyExtended
+    from polydist.backend._contract import Backend, ReplicaChannel
 
 __all__ = ["EagerReplicaRunner", "busy_workers", "default_timeout", "timeout_seconds_from_env"]
 
@@ -567,7 +568,7 @@ class _Run:
         self.watched = mode == "greenlet"
 
     def call_replica(self, slot: _Slot) -> Any:
-        from polydist._replica_context import ReplicaContext
+        from polydist._strategies.replica_context import ReplicaContext
 
         index = slot.index
         device = self.devices[index]

@@ -1,6 +1,6 @@
 """Workers agree on every cross-process collective, or all raise ``CollectiveMismatchError``.
 
-With one process per worker (`polydist._multi_process`), nothing makes two
+With one process per worker (`polydist._distributed.multi_process`), nothing makes two
 processes call the same collective: on gloo a disagreement hangs until the
 timeout, crashes the process (``gloo::EnforceNotMet`` aborts it when the
 sizes differ) or silently returns wrong values (a float32 tensor summed with
@@ -51,8 +51,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
-from polydist import _trace
-from polydist._arrays import dtype_name
+from polydist._base.arrays import dtype_name
+from polydist._collectives import trace as _trace
 from polydist.errors import CollectiveMismatchError
 
 __all__ = [
@@ -204,7 +204,7 @@ class CollectiveChecker:
         store: a connection to the cluster's store for this checker's thread.
         rank, world_size: this worker and the cluster size.
         timeout: how long to wait for a peer's signature (the collective timeout).
-        heartbeat: the process's `polydist._multi_process.Heartbeat`: a wait ends early
+        heartbeat: the process's `polydist._distributed.multi_process.Heartbeat`: a wait ends early
             when a peer's heartbeat stops, and its thread deletes old signatures.
         names, addresses: the workers' task names and addresses, for messages.
         enabled: this process's setting (`checks_enabled`).

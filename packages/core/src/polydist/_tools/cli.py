@@ -115,7 +115,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     import numpy as np
 
     from polydist import __version__
-    from polydist._backend import (
+    from polydist.backend._contract import (
         DEFAULT_BACKEND,
         ENV_VAR,
         KNOWN_PACKAGES,
@@ -258,9 +258,9 @@ def _add_demo(sub: Any) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from polydist import _trace
-    from polydist._backend import get_backend
-    from polydist._demo import run_demo
+    from polydist._collectives import trace as _trace
+    from polydist._tools.demo import run_demo
+    from polydist.backend._contract import get_backend
 
     if args.topology is not None and args.trace is None:
         args.parser.error("--topology needs --trace FILE")
@@ -317,7 +317,7 @@ def _host_devices_for_jax(backend: str | None, replicas: int) -> None:
     imported, or ``$JAX_PLATFORMS`` leaves out the CPU. The flag only sizes the
     CPU platform: on GPUs and TPUs it changes nothing.
     """
-    from polydist._backend import DEFAULT_BACKEND, ENV_VAR
+    from polydist.backend._contract import DEFAULT_BACKEND, ENV_VAR
 
     name = backend or os.environ.get(ENV_VAR) or DEFAULT_BACKEND
     if name != "jax" or replicas < 2 or "jax" in sys.modules:
@@ -376,7 +376,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         conformance = importlib.import_module("polydist_conformance")
     except ImportError:
         raise _UsageError(_CONFORMANCE_HINT) from None
-    from polydist._backend import available_backends, install_hint
+    from polydist.backend._contract import available_backends, install_hint
 
     name: str = args.backend
     installed = available_backends()
@@ -614,11 +614,11 @@ def find_benchmarks_dir(explicit: str | os.PathLike[str] | None = None) -> Path 
 
 def _checkout_benchmarks_dir(module: Path) -> Path | None:
     """``benchmarks/`` of the checkout that holds ``module`` (this file), if it is one."""
-    # packages/core/src/polydist/_cli.py -> the checkout's root is four levels up.
+    # packages/core/src/polydist/_tools/cli.py -> the checkout's root is five levels up.
     parents = module.parents
-    if len(parents) <= 4 or (parents[3].name, parents[2].name) != ("packages", "core"):
+    if len(parents) <= 5 or (parents[4].name, parents[3].name) != ("packages", "core"):
         return None  # installed from a wheel: no checkout
-    root = parents[4]
+    root = parents[5]
     if not (root / "packages" / "core" / "pyproject.toml").is_file():
         return None
     candidate = root / "benchmarks"
@@ -646,7 +646,7 @@ def _add_bench(sub: Any) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from polydist._backend import KNOWN_PACKAGES, available_backends
+    from polydist.backend._contract import KNOWN_PACKAGES, available_backends
 
     bench_dir = find_benchmarks_dir(args.dir)
     if bench_dir is None:
@@ -773,7 +773,7 @@ def _add_launch(sub: Any) -> None:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from polydist import _launch
+    from polydist._distributed import launch as _launch
 
     if args.timeout == 0:
         args.timeout = None

@@ -49,19 +49,27 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from polydist import _context, _indexed_slices, _trace
-from polydist._arrays import check_summable, convert_to_array, describe, is_array, mean_from_sum
-from polydist._backend import Backend, batch_all_reduce
-from polydist._collective_check import collective_intent
-from polydist._communication import bytes_per_pack, current_call_options
-from polydist._devices import HOST_DEVICE, canonicalize
-from polydist._reduce_op import ReduceOp, as_reduce_op
-from polydist._values import DistributedValues, Mirrored, PerReplica, regroup
-from polydist._variables import Variable, _read_operand, read_for_reduce
+from polydist._base.arrays import (
+    check_summable,
+    convert_to_array,
+    describe,
+    is_array,
+    mean_from_sum,
+)
+from polydist._base.communication import bytes_per_pack, current_call_options
+from polydist._base.devices import HOST_DEVICE, canonicalize
+from polydist._base.reduce_op import ReduceOp, as_reduce_op
+from polydist._collectives import trace as _trace
+from polydist._collectives.check import collective_intent
+from polydist._strategies import context as _context
+from polydist._valuetypes import indexed_slices as _indexed_slices
+from polydist._valuetypes.values import DistributedValues, Mirrored, PerReplica, regroup
+from polydist._valuetypes.variables import Variable, _read_operand, read_for_reduce
+from polydist.backend._contract import Backend, batch_all_reduce
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from polydist._strategy import StrategyExtended
+    from polydist._strategies.strategy import StrategyExtended
 
 __all__ = [
     "AllReduceCrossDeviceOps",
@@ -109,7 +117,7 @@ def _configurable_base(backend: Any) -> Any:
     base = _BASE_OF.get(backend)
     if base is not None:
         return base
-    from polydist import _backend as registry
+    from polydist.backend import _contract as registry
 
     if any(b is backend for b in registry._instances.values()):
         return backend
@@ -678,7 +686,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         (gradient, variable) pairs), the values go to the engine together
         (`batch_reduce_over_group`: one collective per pack on torch and JAX). ``None``:
         the caller reduces them one by one (one process: always, as TF does)."""
-        from polydist._strategy import _check_same_shape
+        from polydist._strategies.strategy import _check_same_shape
 
         n = len(extended._devices)
         group = extended._replica_group(n)

@@ -15,7 +15,7 @@ cores, or where it has none, its devices standing in for them
 
 TPUStrategy is a single-client strategy: this process drives every host of
 the slice, so ``experimental_local_results`` has all replicas. On the sim the
-hosts are simulated in this process (see `polydist._cluster`).
+hosts are simulated in this process (see `polydist._distributed.cluster`).
 
 Differences from TensorFlow, all deliberate:
 
@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from polydist._backend import Backend, ReplicaChannel, get_backend, local_tpu_system
-from polydist._cluster import InReplicaContext, connect_cluster
-from polydist._devices import DeviceSpec, canonicalize
-from polydist._reduce_op import ReduceOp
-from polydist._replica_context import ReplicaContext
-from polydist._strategy import Strategy, StrategyExtended
+from polydist._base.devices import DeviceSpec, canonicalize
+from polydist._base.reduce_op import ReduceOp
+from polydist._distributed.cluster import InReplicaContext, connect_cluster
+from polydist._strategies.replica_context import ReplicaContext
+from polydist._strategies.strategy import Strategy, StrategyExtended
+from polydist.backend._contract import Backend, ReplicaChannel, get_backend, local_tpu_system
 from polydist.cluster_resolver import TPUClusterResolver
 from polydist.errors import InvalidArgumentError
 from polydist.tpu import DeviceAssignment, LocalTPUSystem, Topology
@@ -582,8 +582,8 @@ class TPUStrategy(Strategy):
 
         Requires cross-replica (or default) context.
         """
-        from polydist import _context
-        from polydist._input_lib import make_numpy_dataset
+        from polydist._input.input_lib import make_numpy_dataset
+        from polydist._strategies import context as _context
 
         _context.require_cross_replica_or_default_context(self)
         return make_numpy_dataset(numpy_input)

@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from polydist import _context, _nest
-from polydist._arrays import check_summable, convert_to_array, is_array, mean_from_sum
-from polydist._backend import ReplicaChannel
-from polydist._communication import call_options, check_call_options
-from polydist._reduce_op import ReduceOp, as_reduce_op
+from polydist._base.arrays import check_summable, convert_to_array, is_array, mean_from_sum
+from polydist._base.communication import call_options, check_call_options
+from polydist._base.reduce_op import ReduceOp, as_reduce_op
+from polydist._strategies import context as _context
+from polydist._valuetypes import nest as _nest
+from polydist.backend._contract import ReplicaChannel
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from polydist._strategy import Strategy
+    from polydist._strategies.strategy import Strategy
 
 __all__ = ["ReplicaContext"]
 
@@ -180,7 +181,7 @@ class ReplicaContext:
 
 
 def _variables_snapshot(value: Any) -> Any:
-    from polydist._variables import snapshot  # _variables imports this module's users
+    from polydist._valuetypes.variables import snapshot  # _variables imports this module's users
 
     return snapshot(value)
 
@@ -192,7 +193,7 @@ def _operand(leaf: Any) -> Any:
     """A leaf as an all_reduce sends it: a variable's current array, else itself."""
     global _variable_type
     if _variable_type is None:  # _variables imports this module's users: resolve lazily
-        from polydist._variables import Variable
+        from polydist._valuetypes.variables import Variable
 
         _variable_type = Variable
     return cast(Any, leaf)._operand() if isinstance(leaf, _variable_type) else leaf

@@ -2,7 +2,7 @@
 
 ``StrategyExtended`` inherits them from :class:`ExtendedVariablesMixin`, so
 every strategy has them; a strategy changes how its variables are made by
-overriding ``_create_variable`` (see ``polydist._variables.create_variable``
+overriding ``_create_variable`` (see ``polydist._valuetypes.variables.create_variable``
 for the default) or by setting ``_distributed_variables = False`` (a plain
 variable on the strategy's only device, as ``OneDeviceStrategy`` does).
 """
@@ -13,12 +13,14 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
-from polydist import _context, _cross_device_ops, _variables
-from polydist._arrays import convert_to_array
-from polydist._values import select_replica, value_container
+from polydist._base.arrays import convert_to_array
+from polydist._collectives import cross_device_ops as _cross_device_ops
+from polydist._strategies import context as _context
+from polydist._valuetypes import variables as _variables
+from polydist._valuetypes.values import select_replica, value_container
 
 if TYPE_CHECKING:
-    from polydist._strategy import StrategyExtended
+    from polydist._strategies.strategy import StrategyExtended
 
 __all__ = ["ExtendedVariablesMixin"]
 

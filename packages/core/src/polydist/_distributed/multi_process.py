@@ -1,7 +1,7 @@
 """``MultiWorkerMirroredStrategy`` with one process per worker (torch.distributed, jax.distributed).
 
 The simulator runs every worker of a cluster in one process
-(`polydist._multi_worker`). A real engine runs one process per worker: this
+(`polydist._distributed.multi_worker`). A real engine runs one process per worker: this
 process runs only its own worker's D replicas, and every cross-replica
 collective is a local step (over this worker's replicas, in replica order)
 followed by a cross-process step through the engine's collectives
@@ -36,7 +36,7 @@ cluster and every cross-process collective; ``None`` means
 A backend turns its engine's failures into ``DeadlineExceededError`` (a peer
 did not arrive in time) or ``UnavailableError`` (a peer's process is gone),
 naming the worker. Before each cross-process collective it also checks that
-every worker is about to run the same one (`polydist._collective_check`), or
+every worker is about to run the same one (`polydist._collectives.check`), or
 raises ``CollectiveMismatchError`` on all of them.
 """
 
@@ -52,38 +52,41 @@ from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
-from polydist import _cross_device_ops, _trace, _variables, errors
-from polydist._arrays import (
+from polydist import errors
+from polydist._base.arrays import (
     convert_to_array,
 )
-from polydist._backend import (
-    Backend,
-    Capabilities,
-    ClusterToJoin,
-    ReplicaChannel,
-    is_symbolic,
+from polydist._base.communication import (
+    CommunicationOptions,
 )
-from polydist._cluster import InReplicaContext
-from polydist._collective_check import (
+from polydist._base.devices import DeviceSpec
+from polydist._base.reduce_op import ReduceOp
+from polydist._collectives import cross_device_ops as _cross_device_ops
+from polydist._collectives import trace as _trace
+from polydist._collectives.check import (
     CollectiveChecker,
     Pending,
     SignatureStore,
     checks_enabled,
 )
-from polydist._communication import (
-    CommunicationOptions,
-)
-from polydist._devices import DeviceSpec
-from polydist._eager import EagerReplicaRunner
-from polydist._multi_worker import MultiWorkerExtended
-from polydist._reduce_op import ReduceOp
-from polydist._replica_context import ReplicaContext
-from polydist._strategy import (
+from polydist._distributed.cluster import InReplicaContext
+from polydist._distributed.multi_worker import MultiWorkerExtended
+from polydist._strategies.eager import EagerReplicaRunner
+from polydist._strategies.replica_context import ReplicaContext
+from polydist._strategies.strategy import (
     Strategy,
 )
-from polydist._values import (
+from polydist._valuetypes import variables as _variables
+from polydist._valuetypes.values import (
     DistributedValues,
     Mirrored,
+)
+from polydist.backend._contract import (
+    Backend,
+    Capabilities,
+    ClusterToJoin,
+    ReplicaChannel,
+    is_symbolic,
 )
 from polydist.cluster_resolver import (
     ClusterResolver,
@@ -151,14 +154,14 @@ class WorkerProcessBackend(Protocol):
 
 def task_names(spec: ClusterSpec, task_type: str | None, task_id: int | None) -> list[str]:
     """``/job:J/replica:0/task:T`` of each worker of the collective, by worker index."""
-    from polydist._multi_worker import _collective_tasks
+    from polydist._distributed.multi_worker import _collective_tasks
 
     return [f"/job:{j}/replica:0/task:{t}" for j, t in _collective_tasks(spec, task_type, task_id)]
 
 
 def task_addresses(spec: ClusterSpec, task_type: str | None, task_id: int | None) -> list[str]:
     """The address of each worker of the collective, by worker index."""
-    from polydist._multi_worker import _collective_tasks
+    from polydist._distributed.multi_worker import _collective_tasks
 
     if not spec:
         return []
@@ -463,7 +466,7 @@ def _engine(backend: Backend) -> WorkerProcessBackend:
         raise TypeError(
             f"Backend {backend.name!r} ({type(backend).__name__}) does not run one process per "
             "worker: a MultiWorkerMirroredStrategy on it needs a backend implementing "
-            "polydist._multi_process.WorkerProcessBackend (local_device_count, "
+            "polydist._distributed.multi_process.WorkerProcessBackend (local_device_count, "
             "broadcast_from_chief), such as polydist_torch's or polydist_jax's."
         )
     return backend
@@ -698,7 +701,7 @@ class ClusterMembership:
     ) -> list[str] | None:
         """Before collective ``op`` of an array of ``dtype`` and ``shape`` (``dtype=None``:
         ``op`` alone): raises ``CollectiveMismatchError`` unless every worker is about to run
-        the same one (see ``polydist._collective_check``); a missing peer or store fails
+        the same one (see ``polydist._collectives.check``); a missing peer or store fails
         the cluster (`failed`). Returns every worker's ``payload`` (rank order), or
         ``None`` when nothing was compared."""
         return self.checked(op, dtype, shape, axis, lambda: None, payload)[1]

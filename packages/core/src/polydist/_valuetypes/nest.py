@@ -217,8 +217,8 @@ def _register(cls: type, system: _System) -> None:
 def _classify(x: Any) -> bool:
     global _distributed_type, _variable_type
     if _distributed_type is None:  # _values imports this module, so resolve lazily
-        from polydist._values import DistributedValues
-        from polydist._variables import Variable
+        from polydist._valuetypes.values import DistributedValues
+        from polydist._valuetypes.variables import Variable
 
         _distributed_type = DistributedValues
         _variable_type = Variable

@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from polydist import _context
-from polydist._devices import DeviceSpec
-from polydist._replica_context import ReplicaContext
+from polydist._base.devices import DeviceSpec
+from polydist._strategies import context as _context
+from polydist._strategies.replica_context import ReplicaContext
 from polydist.cluster_resolver import ClusterSpec
 
 if TYPE_CHECKING:
-    from polydist._backend import Backend, ReplicaChannel
+    from polydist.backend._contract import Backend, ReplicaChannel
 
 __all__ = [
     "ClusterBackend",

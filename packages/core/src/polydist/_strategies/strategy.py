@@ -9,22 +9,26 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from polydist import _context, _cross_device_ops, _indexed_slices, _nest, _trace, _variables
-from polydist._arrays import (
+from polydist._base.arrays import (
     check_summable,
     convert_to_array,
     describe,
     divide_exactly,
     is_integral,
 )
-from polydist._backend import Backend, get_backend
-from polydist._communication import call_options
-from polydist._devices import HOST_DEVICE, canonicalize
-from polydist._extended_mixin import ExtendedVariablesMixin
-from polydist._indexed_slices import IndexedSlices
-from polydist._reduce_op import ReduceOp, as_reduce_op
-from polydist._replica_context import ReplicaContext, _check_gather_axis
-from polydist._values import (
+from polydist._base.communication import call_options
+from polydist._base.devices import HOST_DEVICE, canonicalize
+from polydist._base.reduce_op import ReduceOp, as_reduce_op
+from polydist._collectives import cross_device_ops as _cross_device_ops
+from polydist._collectives import trace as _trace
+from polydist._strategies import context as _context
+from polydist._strategies.extended_mixin import ExtendedVariablesMixin
+from polydist._strategies.replica_context import ReplicaContext, _check_gather_axis
+from polydist._valuetypes import indexed_slices as _indexed_slices
+from polydist._valuetypes import nest as _nest
+from polydist._valuetypes import variables as _variables
+from polydist._valuetypes.indexed_slices import IndexedSlices
+from polydist._valuetypes.values import (
     DistributedValues,
     Mirrored,
     PerReplica,
@@ -33,10 +37,11 @@ from polydist._values import (
     regroup,
     select_replica,
 )
+from polydist.backend._contract import Backend, get_backend
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from polydist._input_lib import DistributedDataset
+    from polydist._input.input_lib import DistributedDataset
     from polydist.data import InputContext, InputOptions
 
 __all__ = ["MirroredStrategy", "OneDeviceStrategy", "Strategy", "StrategyExtended"]
@@ -451,7 +456,7 @@ class Strategy:
             return _nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
         if axis is None:
             if reduce_op is ReduceOp.MEAN:  # NaN means of empty batches: PartialBatchWarning
-                from polydist._input_lib import warn_if_partial_batch_mean
+                from polydist._input.input_lib import warn_if_partial_batch_mean
 
                 warn_if_partial_batch_mean(self, value)
             return self._extended._reduce_to(reduce_op, value, _current_device())
@@ -522,7 +527,7 @@ class Strategy:
                 values.append(value_fn(ValueContext(offset + r, n)))
         return regroup(values, always_wrap=True)
 
-    # -- input (implemented in polydist._input_lib) ---------------------------------
+    # -- input (implemented in polydist._input.input_lib) ---------------------------------
     def experimental_distribute_dataset(
         self, dataset: Any, options: InputOptions | None = None
     ) -> DistributedDataset:
@@ -532,7 +537,7 @@ class Strategy:
         batches. Iterating the result gives ``PerReplica`` values already on
         the replicas' devices. See ``docs/concepts/input.md``.
         """
-        from polydist._input_lib import distribute_dataset
+        from polydist._input.input_lib import distribute_dataset
 
         return distribute_dataset(self, dataset, options)
 
@@ -541,7 +546,7 @@ class Strategy:
     ) -> DistributedDataset:
         """Calls ``dataset_fn(InputContext)`` once per input pipeline; replicas take
         its per-replica batches round-robin, without rebatching."""
-        from polydist._input_lib import distribute_datasets_from_function
+        from polydist._input.input_lib import distribute_datasets_from_function
 
         return distribute_datasets_from_function(self, dataset_fn, options)
 
@@ -713,7 +718,7 @@ class MirroredStrategy(Strategy):
             N (a polydist extension) takes the backend's first N accelerators:
             on the simulator ``MirroredStrategy(8)`` gives 8 virtual GPUs.
         cross_device_ops: a ``CrossDeviceOps`` choosing the all-reduce algorithm
-            (on the simulator, the summation order: see ``polydist._cross_device_ops``;
+            (on the simulator, the summation order: see ``polydist._collectives.cross_device_ops``;
             a backend object passed explicitly keeps its own order).
         backend: a backend name or object; else ``$POLYDIST_BACKEND``, else ``sim``.
     """

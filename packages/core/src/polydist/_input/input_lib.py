@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import numpy as np
 import optree
 
-from polydist import _context
-from polydist._arrays import dtype_name, is_floating
-from polydist._devices import HOST_DEVICE, DeviceSpec
-from polydist._values import DistributedValues, PerReplica
+from polydist._base.arrays import dtype_name, is_floating
+from polydist._base.devices import HOST_DEVICE, DeviceSpec
+from polydist._strategies import context as _context
+from polydist._valuetypes.values import DistributedValues, PerReplica
 from polydist.data._dataset import (
     INFINITE_CARDINALITY,
     Dataset,
@@ -71,8 +71,8 @@ from polydist.data._spec import TensorSpec
 from polydist.errors import InvalidArgumentError, OutOfRangeError
 
 if TYPE_CHECKING:
-    from polydist._backend import Backend
-    from polydist._strategy import Strategy
+    from polydist._strategies.strategy import Strategy
+    from polydist.backend._contract import Backend
 
 __all__ = [
     "DistributedDataset",
@@ -246,7 +246,7 @@ class _Layout(NamedTuple):
 
 
 def _is_default_strategy(strategy: Strategy) -> bool:
-    from polydist._strategy import _DefaultExtended
+    from polydist._strategies.strategy import _DefaultExtended
 
     return isinstance(strategy.extended, _DefaultExtended)
 

@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from polydist import _context
-from polydist._arrays import convert_to_array, mean_from_sum
-from polydist._backend import Backend
-from polydist._compat_v1 import (
+from polydist._base.arrays import convert_to_array, mean_from_sum
+from polydist._base.devices import HOST_DEVICE, canonicalize
+from polydist._base.reduce_op import ReduceOp, as_reduce_op
+from polydist._input.input_lib import DistributedDataset
+from polydist._strategies import context as _context
+from polydist._strategies.compat_v1 import (
     InputIterator,
     MirroredExtendedV1,
     MirroredStrategyV1,
@@ -41,13 +43,11 @@ from polydist._compat_v1 import (
     TPUStrategyV1,
     run_steps,
 )
-from polydist._devices import HOST_DEVICE, canonicalize
-from polydist._input_lib import DistributedDataset
-from polydist._reduce_op import ReduceOp, as_reduce_op
-from polydist._replica_context import ReplicaContext
-from polydist._strategy import Strategy
-from polydist._values import DistributedValues, Mirrored, PerReplica, select_replica
-from polydist._variables import VariableAggregation
+from polydist._strategies.replica_context import ReplicaContext
+from polydist._strategies.strategy import Strategy
+from polydist._valuetypes.values import DistributedValues, Mirrored, PerReplica, select_replica
+from polydist._valuetypes.variables import VariableAggregation
+from polydist.backend._contract import Backend
 
 if TYPE_CHECKING:
     from polydist.cluster_resolver import TPUClusterResolver

@@ -43,7 +43,7 @@ parameter keeps seeing the variable's storage (``polydist_torch.parameters``).
 :func:`swap_storage` never calls it: it always swaps the arrays themselves.
 
 Sparse writes (``scatter_*``, ``scatter_nd_*``, ``batch_scatter_update``) are
-computed on the host with NumPy (``polydist._scatter``: TF's CPU kernels, one
+computed on the host with NumPy (``polydist._base.scatter``: TF's CPU kernels, one
 index after the other) and stored like an ``assign``. Where the storage holds
 traced values (a compiled run) they raise ``NotImplementedError``.
 """
@@ -62,8 +62,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from polydist import _context, _nest, _scatter
-from polydist._arrays import (
+from polydist._base import scatter as _scatter
+from polydist._base.arrays import (
     convert_to_array,
     describe,
     dtype_name,
@@ -71,16 +71,24 @@ from polydist._arrays import (
     is_floating,
     mean_from_sum,
 )
-from polydist._backend import Backend, backends_owning, get_backend_for_value
-from polydist._devices import HOST_DEVICE
-from polydist._indexed_slices import IndexedSlices
-from polydist._reduce_op import ReduceOp
-from polydist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
+from polydist._base.devices import HOST_DEVICE
+from polydist._base.reduce_op import ReduceOp
+from polydist._strategies import context as _context
+from polydist._valuetypes import nest as _nest
+from polydist._valuetypes.indexed_slices import IndexedSlices
+from polydist._valuetypes.values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    regroup,
+    select_replica,
+)
+from polydist.backend._contract import Backend, backends_owning, get_backend_for_value
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from polydist._replica_context import ReplicaContext
-    from polydist._strategy import Strategy, StrategyExtended
+    from polydist._strategies.replica_context import ReplicaContext
+    from polydist._strategies.strategy import Strategy, StrategyExtended
 
 __all__ = [
     "DistributedVariable",
@@ -855,7 +863,7 @@ class Variable(metaclass=_VariableMeta):
         return self._sparse_write(method, indices, updates)
 
     def _sparse_write(self, method: str, indices: Any, updates: Any) -> Any:
-        # Computed on the host with NumPy (polydist._scatter), then stored like an assign.
+        # Computed on the host with NumPy (polydist._base.scatter), then stored like an assign.
         _refuse_traced(method, self._name)
         backend = self._backend
         base = np.array(backend.to_numpy(self._array), copy=True, order="C")

@@ -63,7 +63,7 @@ DEFAULT_SKIP_PACKAGES: tuple[str, ...] = (
 
 #: Modules inside a skipped package that play the user's role: their frames
 #: are reported as call sites (``polydist demo`` traces its own training loop).
-USER_ROLE_MODULES: frozenset[str] = frozenset({"polydist._demo"})
+USER_ROLE_MODULES: frozenset[str] = frozenset({"polydist._tools.demo"})
 
 #: Chrome-trace duration (µs) given to events that have neither a measured
 #: duration nor a predicted time, so they stay visible in the viewer.

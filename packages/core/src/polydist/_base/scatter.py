@@ -5,7 +5,7 @@ index gets every one of its updates (``scatter_add`` of ``[1, 2]`` at
 ``[0, 0]`` adds 3; ``scatter_update`` keeps the last). NumPy's unbuffered
 ``ufunc.at`` does the same, in the same order. Indices are checked the way
 TF checks them: an index outside ``[0, dim)`` (negative ones included) is an
-``InvalidArgumentError``. The caller (``polydist._variables``) has already
+``InvalidArgumentError``. The caller (``polydist._valuetypes.variables``) has already
 cast the updates to the variable's dtype.
 """
 

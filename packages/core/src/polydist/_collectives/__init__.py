@@ -1,0 +1,1 @@
+"""The reduce path (CrossDeviceOps), the cross-replica collective check and the collective trace."""

@@ -1,0 +1,1 @@
+"""Clusters, multi-worker strategies, the multi-process kit and the local launcher."""

@@ -1,0 +1,1 @@
+"""Distributed datasets and iterators."""

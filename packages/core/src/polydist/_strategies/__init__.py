@@ -1,0 +1,4 @@
+"""Strategies, their extended objects and the replica/cross-replica contexts.
+
+Also the eager replica runner.
+"""

@@ -1,0 +1,1 @@
+"""Distributed values, variables, nests and IndexedSlices."""
