@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import inspect
 import itertools
@@ -131,16 +132,17 @@ class _Mesh:
     axes: tuple[str, ...] = (AXIS,)
     size: int = 0  # every process's replicas; 0: this process's are all
 
-    @property
+    # Cached: read several times per step.
+    @functools.cached_property
     def replicas(self) -> int:
         return self.size or len(self.devices)
 
-    @property
+    @functools.cached_property
     def axis(self) -> str | tuple[str, ...]:
         """The name for ``P(...)`` and collectives over every replica."""
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
-    @property
+    @functools.cached_property
     def spans_processes(self) -> bool:
         return self.replicas != len(self.devices)
 
@@ -434,6 +436,54 @@ class _Program:
     donated: tuple[int, ...] = ()  # input positions donated (written variables)
     counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # split, replicated, updated, checks
     calls: int = 0  # calls so far (which ones check divergence: `CompiledRunner._checks`)
+
+
+class _Strong:
+    """A strong reference with a weak reference's call (for objects without weakrefs)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __call__(self) -> object:
+        return self.obj
+
+
+def _ref(obj: object) -> Callable[[], object]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # ints, strings, tuples, None: immutable, cheap to hold
+        return _Strong(obj)
+
+
+@dataclass(eq=False)
+class _Plan:
+    """What `CompiledRunner._prepare` worked out for one replica function and nest
+    structure, reused by the next call while its inputs are the same objects
+    (`CompiledRunner._reuse`): which program, each leaf's kind, the program inputs
+    made from them (placed, assembled), the variables functionalized."""
+
+    spec: Any
+    mesh: _Mesh
+    x64: bool
+    program: _Program
+    leaves: list[_Leaf]
+    refs: list[list[Callable[[], object]]]  # per input column, what it held (weakly)
+    volatile: list[bool]  # columns holding NumPy arrays (mutable): placed every call
+    slots: list[int | None]  # per column, its index among the program inputs
+    inputs: list[Any]  # the program inputs made from the columns
+    variables: list[weakref.ref[Variable]]
+    positions: dict[int, int]  # id(variable) -> its position
+    var_keys: tuple[Any, ...]
+    version: int  # core's `tracking_version` then
+    closure: tuple[Any, ...]  # fn's closure cells and what they held
+    contents: tuple[Any, ...]
+
+
+def _closure(fn: Callable[..., Any]) -> tuple[Any, ...]:
+    # unwrap: a strategy's wrapper (TPUStrategy's InReplicaContext) has no closure itself.
+    return getattr(inspect.unwrap(fn), "__closure__", None) or ()
 
 
 class _Call(threading.local):
@@ -750,6 +800,10 @@ class CompiledRunner:
         self._in_flight: collections.deque[Any] = collections.deque()
         self._divergence = _DivergenceChecks()
         self._fingerprints = _Fingerprints()
+        # Per strategy, per replica function: the last call's `_Plan`.
+        self._plans: weakref.WeakKeyDictionary[
+            StrategyExtended, collections.OrderedDict[Any, _Plan]
+        ] = weakref.WeakKeyDictionary()
         # id(shared input) -> (its weak reference, mesh, its replicated copy or None: itself)
         self._placed: dict[int, tuple[weakref.ref[Any], _Mesh, Any]] = {}
 
@@ -762,6 +816,7 @@ class CompiledRunner:
     def clear_cache(self) -> None:
         with self._lock:
             self._programs.clear()
+            self._plans.clear()
         self._variable_inputs.clear()
 
     def _mesh(self, devices: tuple[str, ...]) -> _Mesh:
@@ -807,6 +862,8 @@ class CompiledRunner:
         except _TRACER_ERRORS as e:
             _add_note(e)
             raise
+        finally:
+            _call.variables = []  # held no longer than the call (variables may be freed)
         split, replicated, updated, _ = outputs
         variables = [*call_variables, *program.created]
         if program.created and program.evict is not None:
@@ -954,15 +1011,141 @@ class CompiledRunner:
         else:
             flats = [flat, *(_nest.flatten(pr)[0] for pr in per_replica_args[1:])]
             columns = [list(col) for col in zip(*flats, strict=True)]
+        reused = self._reuse(extended, fn, spec, columns, mesh)
+        if reused is not None:
+            program, variables, inputs, var_inputs = reused
+            _call.variables = variables
+            _call.check = self._checks(program, mesh)
+            return program, [*var_inputs, *inputs], columns, mesh, False
+        version = _variables.tracking_version(_functional.owner(extended))
         variables = _functional.collect(extended, len(devices), fn, flat)
         positions = {id(v): i for i, v in enumerate(variables)}
         leaves, inputs, traced = self._classify(columns, mesh, positions)
         var_inputs, var_keys = self._variable_input_arrays(variables, mesh)
-        key = (fn, spec, tuple(leaf.key() for leaf in leaves), var_keys, x64_enabled())
+        x64 = x64_enabled()
+        key = (fn, spec, tuple(leaf.key() for leaf in leaves), var_keys, x64)
         program = self._program(extended, key, fn, leaves, mesh, spec, variables)
         _call.variables = variables  # what a trace of this call functionalizes
         _call.check = self._checks(program, mesh)
+        if not traced:
+            self._remember(extended, fn, spec, columns, mesh, x64, program, leaves, inputs)
+            plan = self._plans[extended][fn]
+            plan.variables = [weakref.ref(v) for v in variables]
+            plan.positions, plan.var_keys, plan.version = positions, var_keys, version
         return program, [*var_inputs, *inputs], columns, mesh, traced
+
+    def _remember(
+        self,
+        extended: StrategyExtended,
+        fn: Callable[..., Any],
+        spec: Any,
+        columns: list[list[Any]],
+        mesh: _Mesh,
+        x64: bool,
+        program: _Program,
+        leaves: list[_Leaf],
+        inputs: list[Any],
+    ) -> None:
+        """Keeps this call's `_Plan` for the next call of ``fn``."""
+        slots: list[int | None] = []
+        count = 0
+        for leaf in leaves:
+            if leaf.kind in (_REPLICA, _SHARED):
+                slots.append(count)
+                count += 1
+            else:
+                slots.append(None)
+        closure = _closure(fn)
+        try:
+            contents = tuple(cell.cell_contents for cell in closure)
+        except ValueError:  # an empty cell: not worth a plan
+            return
+        plan = _Plan(
+            spec=spec,
+            mesh=mesh,
+            x64=x64,
+            program=program,
+            leaves=leaves,
+            refs=[[_ref(v) for v in column] for column in columns],
+            volatile=[any(isinstance(v, np.ndarray) for v in column) for column in columns],
+            slots=slots,
+            inputs=list(inputs),
+            variables=[],
+            positions={},
+            var_keys=(),
+            version=-1,
+            closure=closure,
+            contents=contents,
+        )
+        with self._lock:
+            plans = self._plans.get(extended)
+            if plans is None:
+                plans = self._plans[extended] = collections.OrderedDict()
+            plans[fn] = plan
+            plans.move_to_end(fn)
+            while len(plans) > CACHE_SIZE:
+                plans.popitem(last=False)
+
+    def _reuse(
+        self,
+        extended: StrategyExtended,
+        fn: Callable[..., Any],
+        spec: Any,
+        columns: list[list[Any]],
+        mesh: _Mesh,
+    ) -> tuple[_Program, list[Variable], list[Any], list[Any]] | None:
+        """The last call's plan for ``fn``, if it still holds: the same nest structure,
+        mesh and x64 mode, no variable tracked or gone since, fn's closure holding the
+        same objects, and each input the same object as then (a column that changed is
+        classified again alone, and must give the same kind, shape and dtype). Returns
+        the program, the variables, the inputs and the variables' inputs; None: prepare
+        this call from scratch."""
+        plans = self._plans.get(extended)
+        plan = plans.get(fn) if plans is not None else None
+        if (
+            plan is None
+            or plan.spec != spec
+            or plan.mesh is not mesh
+            or plan.x64 != x64_enabled()
+            or plan.version != _variables.tracking_version(_functional.owner(extended))
+            or plan.program.created
+        ):
+            return None
+        variables = [ref() for ref in plan.variables]
+        if any(v is None for v in variables):
+            return None
+        for cell, held in zip(plan.closure, plan.contents, strict=True):
+            try:
+                if cell.cell_contents is not held:
+                    return None
+            except ValueError:
+                return None
+        inputs = plan.inputs
+        changed: list[int] = []
+        for i, column in enumerate(columns):
+            if not plan.volatile[i]:
+                for r, v in zip(plan.refs[i], column):
+                    if r() is not v:
+                        break
+                else:
+                    continue
+            leaves, fresh, traced = self._classify([column], mesh, plan.positions)
+            if traced or leaves[0].key() != plan.leaves[i].key():
+                return None
+            slot = plan.slots[i]
+            if slot is not None:
+                if not changed:
+                    inputs = list(inputs)
+                inputs[slot] = fresh[0]
+            changed.append(i)
+        var_inputs, var_keys = self._variable_input_arrays(variables, mesh)  # type: ignore[arg-type]
+        if var_keys != plan.var_keys:
+            return None
+        if changed:  # the next call with these same objects finds them
+            for i in changed:
+                plan.refs[i] = [_ref(v) for v in columns[i]]
+            plan.inputs = inputs
+        return plan.program, variables, inputs, var_inputs  # type: ignore[return-value]
 
     def _checks(self, program: _Program, mesh: _Mesh) -> bool:
         """Whether this call of ``program`` hashes its NONE variables' copies: its first
@@ -1027,7 +1210,9 @@ class CompiledRunner:
         traced: bool,
     ) -> None:
         """Replaces the copies of every variable the call wrote by the program's outputs."""
-        if updated and (traced or any(is_tracer(u) for u in updated)):
+        if not updated:
+            return
+        if traced or any(is_tracer(u) for u in updated):
             raise NotImplementedError(
                 "strategy.run was called inside a JAX transformation (jax.jit, jax.grad, ...) "
                 f"and updated {variables[program.updates[0][0]].name!r}: its new value would be "

@@ -223,10 +223,11 @@ def _enter_strategy(strategy: Strategy) -> AbstractContextManager[Any]:
 class _ExtendedState:
     """What polydist remembers about one strategy's variables."""
 
-    __slots__ = ("dirty", "variables")
+    __slots__ = ("dirty", "variables", "version")
 
     def __init__(self) -> None:
         self.variables: list[weakref.ref[Variable]] = []
+        self.version = 0  # bumped by each variable tracked (`tracking_version`)
         # NONE-aggregated MirroredVariables written in replica context during the
         # current run: checked for divergence when the run ends.
         self.dirty: dict[int, weakref.ref[MirroredVariable]] = {}
@@ -242,6 +243,19 @@ def _state(extended: StrategyExtended) -> _ExtendedState:
     if state is None:
         state = _STATES[extended] = _ExtendedState()
     return state
+
+
+def _track(extended: StrategyExtended, variable: Variable) -> None:
+    state = _state(extended)
+    state.variables.append(weakref.ref(variable))
+    state.version += 1
+
+
+def tracking_version(extended: StrategyExtended) -> int:
+    """A number that changes whenever ``extended``'s strategy tracks a new variable (a
+    backend's cache of `tracked_variables` checks it; deaths it sees itself)."""
+    state = _STATES.get(extended)
+    return 0 if state is None else state.version
 
 
 def tracked_variables(extended: StrategyExtended) -> list[Variable]:
@@ -1214,7 +1228,7 @@ class DistributedVariable(DistributedValues, Variable):
         with _enter_strategy(strategy):
             components = [c.__deepcopy__(memo) for c in self._values]
         new = type(self)(strategy, components, self._aggregation)
-        _state(strategy.extended).variables.append(weakref.ref(new))
+        _track(strategy.extended, new)
         memo[id(self)] = new
         return new
 
@@ -1525,7 +1539,7 @@ def create_variable(
             aggregation=aggregation,
             strategy=strategy,
         )
-        _state(extended).variables.append(weakref.ref(var))
+        _track(extended, var)
         return var
     if synchronization is VariableSynchronization.NONE:
         raise ValueError(
@@ -1568,7 +1582,7 @@ def create_variable(
         else MirroredVariable
     )
     var = cls(strategy, components, aggregation)
-    _state(extended).variables.append(weakref.ref(var))
+    _track(extended, var)
     return var
 
 
