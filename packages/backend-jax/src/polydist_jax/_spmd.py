@@ -1586,6 +1586,12 @@ class CompiledRunner:
             split_parts = [_shards(g, mesh) for g in split]
             replicated_parts = [_shards(g, mesh) for g in replicated]
             scalars = [o.index for o in program.outputs if o.kind == "split" and o.scalar]
+            if len(mesh.devices) > 1:
+                for i, (g, parts) in enumerate(zip(split, split_parts, strict=True)):
+                    if i not in scalars and g.sharding == mesh.split:
+                        # Passed back in next step (parameters in and out), the
+                        # components find this array by identity: no reassembly.
+                        _input.register(parts, g, mesh.split)
             if scalars and not program.squeezed:
                 squeezed = _per_device(_to_scalar, [split_parts[i] for i in scalars])
                 for i, parts in zip(scalars, squeezed, strict=True):
