@@ -397,25 +397,3 @@ def test_results_are_the_bits_of_a_fresh_preparation(
     assert len(fast) == len(fresh)
     for a, b in zip(fast, fresh, strict=True):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
-
-
-def test_outputs_passed_back_in_are_not_reassembled(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Parameters in and out (docs/getting-started): a step's per-replica outputs, passed
-    # to the next step, are the program's own output array again.
-    strategy, _ = make()
-    assembled: list[Any] = []
-    assemble = _spmd._Mesh.assemble
-
-    def counting(self: Any, blocks: Any) -> Any:
-        assembled.append(blocks)
-        return assemble(self, blocks)
-
-    def step(p: Any) -> Any:
-        return p + 1
-
-    params = per_replica([jnp.full(3, float(r)) for r in range(N)])
-    monkeypatch.setattr(_spmd._Mesh, "assemble", counting)
-    for _ in range(3):
-        params = strategy.run(step, (params,))
-    assert len(assembled) == 1  # the first step's input only
-    assert [p.tolist() for p in params.values] == [[r + 3.0] * 3 for r in range(N)]

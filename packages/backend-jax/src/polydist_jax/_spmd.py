@@ -476,7 +476,8 @@ class _Plan:
     variables: list[weakref.ref[Variable]]
     positions: dict[int, int]  # id(variable) -> its position
     var_keys: tuple[Any, ...]
-    version: int  # core's `tracking_version` then
+    state: Any  # core's `tracking_state` of the strategy's variables
+    version: int  # its version then
     closure: tuple[Any, ...]  # fn's closure cells and what they held
     contents: tuple[Any, ...]
 
@@ -484,6 +485,18 @@ class _Plan:
 def _closure(fn: Callable[..., Any]) -> tuple[Any, ...]:
     # unwrap: a strategy's wrapper (TPUStrategy's InReplicaContext) has no closure itself.
     return getattr(inspect.unwrap(fn), "__closure__", None) or ()
+
+
+#: Whether the variables' copies come before the other inputs of a program (`_build`).
+_VARIABLES_FIRST = True
+
+
+def _ordered(var_inputs: list[Any], inputs: list[Any]) -> list[Any]:
+    return [*var_inputs, *inputs] if _VARIABLES_FIRST else [*inputs, *var_inputs]
+
+
+def _variables_offset(n_inputs: int, n_variables: int) -> int:
+    return 0 if _VARIABLES_FIRST else n_inputs - n_variables
 
 
 class _Call(threading.local):
@@ -898,9 +911,9 @@ class CompiledRunner:
         if program.local is None:
             with _spmd_note():
                 stage = program.jitted.trace(*inputs)
-            # The variables' inputs come first (`_build`).
+            offset = _variables_offset(len(inputs), n_variables)
             program.donated = tuple(
-                p
+                offset + p
                 for p, _ in program.updates
                 if p < n_variables and isinstance(_call.variables[p], DistributedVariable)
             )
@@ -910,8 +923,9 @@ class CompiledRunner:
             program.local = jax.jit(
                 jaxpr_as_fun(stage.jaxpr), donate_argnums=program.donated, keep_unused=True
             )
+        offset = _variables_offset(len(inputs), n_variables)
         for i in program.donated:
-            if not self._variable_inputs.exclusive(_call.variables[i]):
+            if not self._variable_inputs.exclusive(_call.variables[i - offset]):
                 inputs[i] = _copy(inputs[i])
         flat = program.local(*inputs)
         a, b, c, _ = program.counts
@@ -1016,8 +1030,9 @@ class CompiledRunner:
             program, variables, inputs, var_inputs = reused
             _call.variables = variables
             _call.check = self._checks(program, mesh)
-            return program, [*var_inputs, *inputs], columns, mesh, False
-        version = _variables.tracking_version(_functional.owner(extended))
+            return program, _ordered(var_inputs, inputs), columns, mesh, False
+        state = _variables.tracking_state(_functional.owner(extended))
+        version = state.version
         variables = _functional.collect(extended, len(devices), fn, flat)
         positions = {id(v): i for i, v in enumerate(variables)}
         leaves, inputs, traced = self._classify(columns, mesh, positions)
@@ -1028,11 +1043,9 @@ class CompiledRunner:
         _call.variables = variables  # what a trace of this call functionalizes
         _call.check = self._checks(program, mesh)
         if not traced:
-            self._remember(extended, fn, spec, columns, mesh, x64, program, leaves, inputs)
-            plan = self._plans[extended][fn]
-            plan.variables = [weakref.ref(v) for v in variables]
-            plan.positions, plan.var_keys, plan.version = positions, var_keys, version
-        return program, [*var_inputs, *inputs], columns, mesh, traced
+            found = (variables, positions, var_keys, state, version)
+            self._remember(extended, fn, spec, columns, mesh, x64, program, leaves, inputs, found)
+        return program, _ordered(var_inputs, inputs), columns, mesh, traced
 
     def _remember(
         self,
@@ -1045,8 +1058,11 @@ class CompiledRunner:
         program: _Program,
         leaves: list[_Leaf],
         inputs: list[Any],
+        found: tuple[list[Variable], dict[int, int], tuple[Any, ...], Any, int],
     ) -> None:
-        """Keeps this call's `_Plan` for the next call of ``fn``."""
+        """Keeps this call's `_Plan` for the next call of ``fn``; ``found``: the
+        variables, their positions and cache-key part, core's tracking state and its
+        version."""
         slots: list[int | None] = []
         count = 0
         for leaf in leaves:
@@ -1060,6 +1076,7 @@ class CompiledRunner:
             contents = tuple(cell.cell_contents for cell in closure)
         except ValueError:  # an empty cell: not worth a plan
             return
+        variables, positions, var_keys, state, version = found
         plan = _Plan(
             spec=spec,
             mesh=mesh,
@@ -1070,10 +1087,11 @@ class CompiledRunner:
             volatile=[any(isinstance(v, np.ndarray) for v in column) for column in columns],
             slots=slots,
             inputs=list(inputs),
-            variables=[],
-            positions={},
-            var_keys=(),
-            version=-1,
+            variables=[weakref.ref(v) for v in variables],
+            positions=positions,
+            var_keys=var_keys,
+            state=state,
+            version=version,
             closure=closure,
             contents=contents,
         )
@@ -1107,7 +1125,7 @@ class CompiledRunner:
             or plan.spec != spec
             or plan.mesh is not mesh
             or plan.x64 != x64_enabled()
-            or plan.version != _variables.tracking_version(_functional.owner(extended))
+            or plan.state.version != plan.version
             or plan.program.created
         ):
             return None
@@ -1426,19 +1444,23 @@ class CompiledRunner:
         n = len(devices)
         dynamic = [leaf for leaf in leaves if leaf.kind not in (_STATIC, _VARIABLE, _EMPTY)]
         split_spec = pspec(mesh.axis)
-        # The variables' copies come first: split (one copy per replica), or replicated for
-        # a plain variable (one copy, read-only). First, as hand-written steps take their
-        # parameters: XLA:CPU ran the same MLP step 10-25% slower with the batch first.
-        in_specs = tuple(split_spec if d else pspec() for d in distributed)
-        in_specs += tuple(split_spec if leaf.kind == _REPLICA else pspec() for leaf in dynamic)
-        n_vars = len(distributed)
+        # The variables' copies: split (one copy per replica), or replicated for a plain
+        # variable (one copy, read-only). First, as hand-written steps take their
+        # parameters (a hand-written MLP step on 8 XLA:CPU devices ran 10-25% longer in
+        # wall time with the batch first; its CPU time was the same).
+        var_specs = tuple(split_spec if d else pspec() for d in distributed)
+        dyn_specs = tuple(split_spec if leaf.kind == _REPLICA else pspec() for leaf in dynamic)
+        in_specs = var_specs + dyn_specs if _VARIABLES_FIRST else dyn_specs + var_specs
+        n_vars, n_dyn = len(distributed), len(dynamic)
+        var_part = slice(0, n_vars) if _VARIABLES_FIRST else slice(n_dyn, None)
+        dyn_part = slice(n_vars, None) if _VARIABLES_FIRST else slice(0, n_dyn)
 
         def body(*blocks: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
             self.compile_count += 1
             program.traces += 1
             variables = _call.variables
             var_blocks = []
-            for var, block in zip(variables, blocks[:n_vars], strict=True):
+            for var, block in zip(variables, blocks[var_part], strict=True):
                 if isinstance(var, DistributedVariable) and not var.shape:
                     block = jnp.reshape(block, ())  # rank-0 copies travel as shape [1]
                 block = vary(block)  # as shared inputs
@@ -1447,7 +1469,7 @@ class CompiledRunner:
             values: list[Any] = []
             entries: dict[int, int] = {}  # id(traced input) -> leaf index
             shared: set[int] = set()
-            it = iter(blocks[n_vars:])
+            it = iter(blocks[dyn_part])
             for i, leaf in enumerate(leaves):
                 if leaf.kind == _STATIC:
                     values.append(leaf.obj)
@@ -1586,12 +1608,6 @@ class CompiledRunner:
             split_parts = [_shards(g, mesh) for g in split]
             replicated_parts = [_shards(g, mesh) for g in replicated]
             scalars = [o.index for o in program.outputs if o.kind == "split" and o.scalar]
-            if len(mesh.devices) > 1:
-                for i, (g, parts) in enumerate(zip(split, split_parts, strict=True)):
-                    if i not in scalars and g.sharding == mesh.split:
-                        # Passed back in next step (parameters in and out), the
-                        # components find this array by identity: no reassembly.
-                        _input.register(parts, g, mesh.split)
             if scalars and not program.squeezed:
                 squeezed = _per_device(_to_scalar, [split_parts[i] for i in scalars])
                 for i, parts in zip(scalars, squeezed, strict=True):

@@ -227,7 +227,7 @@ class _ExtendedState:
 
     def __init__(self) -> None:
         self.variables: list[weakref.ref[Variable]] = []
-        self.version = 0  # bumped by each variable tracked (`tracking_version`)
+        self.version = 0  # bumped by each variable tracked (`tracking_state`)
         # NONE-aggregated MirroredVariables written in replica context during the
         # current run: checked for divergence when the run ends.
         self.dirty: dict[int, weakref.ref[MirroredVariable]] = {}
@@ -251,11 +251,11 @@ def _track(extended: StrategyExtended, variable: Variable) -> None:
     state.version += 1
 
 
-def tracking_version(extended: StrategyExtended) -> int:
-    """A number that changes whenever ``extended``'s strategy tracks a new variable (a
-    backend's cache of `tracked_variables` checks it; deaths it sees itself)."""
-    state = _STATES.get(extended)
-    return 0 if state is None else state.version
+def tracking_state(extended: StrategyExtended) -> _ExtendedState:
+    """``extended``'s bookkeeping, whose ``version`` changes whenever its strategy tracks
+    a new variable (a backend's cache of `tracked_variables` checks it; deaths it sees
+    itself). The same object for the strategy's lifetime."""
+    return _state(extended)
 
 
 def tracked_variables(extended: StrategyExtended) -> list[Variable]:
