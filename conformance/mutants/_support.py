@@ -8,15 +8,20 @@ from typing import Any
 
 import polydist as pd
 from polydist._strategies import context as _context
+from polydist.backend import EagerReplicaRunner, ReplicaGroup
 from polydist_sim import SimBackend
 
 
 class MutantSim(SimBackend):
-    """The sim, under the name ``mutant:<module>``."""
+    """The sim, under the name ``mutant:<module>``; core runs its replicas with a
+    ``runner_class()`` (a mutant's runner has the bug a backend's runner could have)."""
+
+    runner_class: type[EagerReplicaRunner] = EagerReplicaRunner
 
     def __init__(self, reduction_order: Any = "exact") -> None:
         super().__init__(reduction_order)
         self.name = "mutant:" + type(self).__module__.rsplit(".", 1)[-1]
+        self.replica_runner = self.runner_class()
 
 
 def is_mutant(backend: object) -> bool:
@@ -24,8 +29,8 @@ def is_mutant(backend: object) -> bool:
 
 
 def wrap_replica_fn(
-    run_replicas: Callable[..., list[Any]],
-    extended: Any,
+    run: Callable[..., list[Any]],
+    group: ReplicaGroup,
     fn: Callable[..., Any],
     per_replica_args: Sequence[Any],
     before: Callable[[pd.ReplicaContext], None],
@@ -38,7 +43,7 @@ def wrap_replica_fn(
         before(ctx)
         return fn(*args, **kwargs)
 
-    return run_replicas(extended, wrapped, per_replica_args)
+    return run(group, wrapped, per_replica_args)
 
 
 class ChannelWrapper:
@@ -58,18 +63,28 @@ class ChannelWrapper:
         return self.inner.merge_call(merge_fn, args, kwargs)
 
 
+class _ChannelRunner(EagerReplicaRunner):
+    def __init__(self, channel_class: type[ChannelWrapper]) -> None:
+        super().__init__()
+        self.channel_class = channel_class
+
+    def run(
+        self, group: ReplicaGroup, fn: Callable[..., Any], per_replica_args: Sequence[Any]
+    ) -> list[Any]:
+        def install(ctx: pd.ReplicaContext) -> None:
+            ctx._channel = self.channel_class(ctx._channel, ctx)
+
+        return wrap_replica_fn(super().run, group, fn, per_replica_args, install)
+
+
 class ChannelMutant(MutantSim):
     """Runs the replicas with their channel wrapped in ``channel_class``."""
 
     channel_class: type[ChannelWrapper] = ChannelWrapper
 
-    def run_replicas(
-        self, extended: Any, fn: Callable[..., Any], per_replica_args: Sequence[Any]
-    ) -> list[Any]:
-        def install(ctx: pd.ReplicaContext) -> None:
-            ctx._channel = self.channel_class(ctx._channel, ctx)
-
-        return wrap_replica_fn(super().run_replicas, extended, fn, per_replica_args, install)
+    def __init__(self, reduction_order: Any = "exact") -> None:
+        super().__init__(reduction_order)
+        self.replica_runner = _ChannelRunner(self.channel_class)
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ MODULE = '''\
 from dataclasses import replace
 
 import numpy as np
+from polydist.backend import EagerReplicaRunner
 from polydist_sim import SimBackend
 
 
@@ -86,6 +87,10 @@ class SpmdClaimingBackend(ExternalBackend):
         self.capabilities = replace(
             self.capabilities, execution_model="spmd", float64=False
         )
+
+    def run_replicas(self, group, fn, per_replica_args):
+        # Core calls this for an SPMD backend; a real one would compile fn here.
+        return EagerReplicaRunner().run(group, fn, per_replica_args)
 '''
 
 

@@ -48,7 +48,7 @@ def test_unknown_reduction_is_refused() -> None:
 
 def test_runs_replicas_on_threads_not_greenlets() -> None:
     # torch keeps grad mode and autograd state per thread; greenlets would share them.
-    assert TorchBackend()._runner.mode == "thread"
+    assert TorchBackend().replica_runner.mode == "thread"
 
 
 def test_array_namespace_is_array_api_compat_torch() -> None:

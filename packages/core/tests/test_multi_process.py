@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ import pytest
 import polydist as pd
 from polydist import errors
 from polydist._distributed import multi_process as mp
-from polydist.backend import Capabilities, ReplicaChannel
+from polydist.backend import Capabilities
 from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver, TFConfigClusterResolver
 from polydist.experimental import CommunicationOptions
 from polydist_sim import SimBackend
@@ -293,28 +293,6 @@ def test_membership_names_the_workers() -> None:
     assert member.behind([1]).startswith(
         "worker(s) 1 (/job:worker/replica:0/task:1 at b:2) are alive but did not reach it"
     )
-
-
-def test_replica_runners_are_per_worker() -> None:
-    seen: list[int] = []
-
-    def channel(inner: ReplicaChannel, replica: int) -> ReplicaChannel:
-        seen.append(replica)
-        return inner
-
-    runners = mp.ReplicaRunners(None, channel)
-
-    class _Extended:
-        def __init__(self, offset: int) -> None:
-            self._replica_offset = offset
-
-    worker1 = runners.of(_Extended(2))
-    assert runners.of(_Extended(2)) is worker1
-    assert runners.of(object()) is not worker1  # one worker: offset 0
-    assert worker1.mode == "thread"
-    inner = cast(ReplicaChannel, object())
-    assert worker1._wrap_channel is not None and worker1._wrap_channel(inner, 1) is inner
-    assert seen == [3]  # worker 1's second replica is replica 3 of all
 
 
 def test_once_per_process() -> None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import numpy as np
 
-from polydist._valuetypes import variables as _variables
-from polydist._valuetypes.values import select_replica
-from polydist.backend import Capabilities, EagerReplicaRunner
+from polydist.backend import Capabilities, EagerReplicaRunner, ReplicaChannel, replica_group
+from polydist.backend.tracing import current_update_replica
+from polydist.backend.values import select_replica
 from polydist_jax import _collectives, _devices, _functional, _input, _namespace, _tpu
 from polydist_jax._eager_grad import DifferentiableChannel, MovedArrays
 from polydist_jax._lazy import is_tracer
@@ -19,7 +19,8 @@ from polydist_jax._spmd import CompiledRunner, Uneven
 from polydist_jax._typed import x64_enabled
 
 if TYPE_CHECKING:
-    from polydist import Strategy, StrategyExtended
+    from polydist import Strategy
+    from polydist.backend import ReplicaGroup
     from polydist.tpu import LocalTPUSystem
 
 __all__ = ["JaxBackend"]
@@ -84,8 +85,10 @@ class JaxBackend:
         # switched out in the middle of jax.grad would see another replica's trace.
         # merge_fn's arrays reach each eager replica on its own device (_eager_grad).
         self._moved = MovedArrays()
-        self._eager = EagerReplicaRunner(
-            "thread", timeout_seconds, wrap_channel=self._eager_channel
+        #: How core runs the replicas when ``jit=False`` (its execution model is then
+        #: eager), and how this backend runs a call it cannot compile.
+        self.replica_runner: EagerReplicaRunner = _EagerRunner(
+            self._moved, "thread", timeout_seconds, wrap_channel=self._eager_channel
         )
         #: Calls of strategy.run that ran eagerly because their inputs were uneven.
         self.eager_fallback_count = 0
@@ -132,9 +135,10 @@ class JaxBackend:
         args, kwargs = tuple(args), dict(kwargs or {})
         n = strategy.num_replicas_in_sync
         per_replica = [(select_replica(r, args), select_replica(r, kwargs)) for r in range(n)]
+        group = replica_group(strategy)
         try:
             with strategy.scope():
-                lowered: jax.stages.Lowered = self._compiled.lower(extended, fn, per_replica)
+                lowered: jax.stages.Lowered = self._compiled.lower(group, fn, per_replica)
         except Uneven as e:
             raise ValueError(
                 f"{_name(fn)} has no single compiled program for these inputs: {e.reason}. "
@@ -180,7 +184,7 @@ class JaxBackend:
         """`device_scope` once the backend has found the JAX device."""
         scope: AbstractContextManager[Any] = jax.default_device(device)
         traced = _functional.active()
-        replica = _variables._UPDATE_REPLICA.get()
+        replica = current_update_replica()
         if traced is None or replica is None:
             return scope
         # Core updates replica `replica`'s copies (StrategyExtended.update, update_non_slot)
@@ -216,14 +220,16 @@ class JaxBackend:
     # -- running ---------------------------------------------------------------------------
     def run_replicas(
         self,
-        extended: StrategyExtended,
+        group: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
+        """Core's call for the SPMD execution model (``jit=True``): one compiled program
+        for all replicas, else (uneven inputs) the eager runner."""
         if not self.jit:
-            return self._run_eagerly(extended, fn, per_replica_args)
+            return self.replica_runner.run(group, fn, per_replica_args)
         try:
-            return self._compiled.run(extended, fn, per_replica_args)
+            return self._compiled.run(group, fn, per_replica_args)
         except Uneven as e:
             if not self.eager_fallback:
                 raise ValueError(
@@ -234,24 +240,10 @@ class JaxBackend:
                     "calls eagerly."
                 ) from None
         self.eager_fallback_count += 1
-        return self._run_eagerly(extended, fn, per_replica_args)
+        return self.replica_runner.run(group, fn, per_replica_args)
 
     def _eager_channel(self, inner: Any, replica_index: int) -> DifferentiableChannel:
         return DifferentiableChannel(inner, replica_index, self._moved)
-
-    def _run_eagerly(
-        self,
-        extended: StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        try:
-            results = self._eager.run(extended, fn, per_replica_args)
-        except BaseException:
-            self._moved.forget()
-            raise
-        # Replicas that all returned their copy of one merge_fn array return that array.
-        return self._moved.restore(results)
 
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:
@@ -267,6 +259,35 @@ class JaxBackend:
 
     def broadcast(self, value: Any, destinations: Sequence[str]) -> list[Any]:
         return _collectives.broadcast(value, destinations)
+
+
+class _EagerRunner(EagerReplicaRunner):
+    """Core's eager runner; replicas that all return their copy of one ``merge_fn`` array
+    return that array (`MovedArrays`)."""
+
+    def __init__(
+        self,
+        moved: MovedArrays,
+        mode: Literal["greenlet", "thread"],
+        timeout: float | None,
+        *,
+        wrap_channel: Callable[[ReplicaChannel, int], ReplicaChannel],
+    ) -> None:
+        super().__init__(mode, timeout, wrap_channel=wrap_channel)
+        self._moved = moved
+
+    def run(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[Any]:
+        try:
+            results = super().run(group, fn, per_replica_args)
+        except BaseException:
+            self._moved.forget()
+            raise
+        return self._moved.restore(results)
 
 
 def _name(fn: Callable[..., Any]) -> str:

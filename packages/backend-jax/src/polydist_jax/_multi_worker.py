@@ -33,12 +33,12 @@ Bounds and faults (``CommunicationOptions.timeout_seconds``, default 60 s):
 * Before each cross-process collective (each compiled step counts as one,
   ``strategy.run``) every worker publishes its signature through the
   coordination service and compares the others'
-  (``polydist._collectives.check``): workers that disagree all raise
+  (``polydist.backend.multiprocess``): workers that disagree all raise
   ``CollectiveMismatchError`` before issuing it.
 
 * A collective that raises (gloo notices a dead peer's closed connection at
   once) becomes ``UnavailableError`` / ``DeadlineExceededError`` naming the
-  workers whose heartbeats stopped (see `polydist._distributed.multi_process.Heartbeat`;
+  workers whose heartbeats stopped (see `polydist.backend.multiprocess.Heartbeat`;
   the heartbeats go through JAX's coordination service, hosted by worker 0).
 * A collective (or a compiled step, compiled before the bound starts) that
   does not return within the timeout cannot be interrupted (XLA blocks in
@@ -73,7 +73,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,22 +82,22 @@ from jax.sharding import Mesh, NamedSharding
 
 import polydist as pd
 from polydist import errors
-from polydist._base.communication import CommunicationOptions
-from polydist._base.devices import DeviceSpec
-from polydist._collectives import trace as _trace
-from polydist._collectives.check import Pending
-from polydist._distributed import multi_process as mp
-from polydist._distributed.cluster import id_in_cluster, worker_count
-from polydist._distributed.multi_process import DEFAULT_TIMEOUT_SECONDS
 from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
+from polydist.backend import multiprocess as mp
+from polydist.backend import tracing as _trace
+from polydist.backend.devices import DeviceSpec
+from polydist.backend.multiprocess import (
+    DEFAULT_TIMEOUT_SECONDS,
+    Pending,
+    id_in_cluster,
+    worker_count,
+)
 from polydist.cluster_resolver import ClusterResolver
+from polydist.experimental import CommunicationOptions
 from polydist_jax._backend import JaxBackend
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
 from polydist_jax._spmd import CompiledRunner, _Mesh
 from polydist_jax._typed import pspec, psum
-
-if TYPE_CHECKING:
-    from polydist import StrategyExtended
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
@@ -753,12 +753,6 @@ class JaxProcessBackend(JaxBackend):
         self._task: tuple[str, int] | None = None
         self._timeout = DEFAULT_TIMEOUT_SECONDS
         self._addresses: list[str] = []
-        self._runners = mp.ReplicaRunners(timeout_seconds, self._eager_channel)
-        if not hasattr(self, "_eager"):
-            raise RuntimeError(
-                "polydist_jax.JaxBackend no longer has the _eager runner that JaxProcessBackend "
-                "replaces; update polydist_jax._multi_worker."
-            )
 
     def __repr__(self) -> str:
         c = self._cluster
@@ -890,17 +884,6 @@ class JaxProcessBackend(JaxBackend):
         assert self._cluster is not None
         self._cluster.check("broadcast", array)
         return self.place(self._cluster.gather(array)[0], device)
-
-    # -- running -----------------------------------------------------------------------------
-    def run_replicas(
-        self,
-        extended: StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        # The eager runner (jit=False, or the fallback for uneven inputs).
-        self._eager = self._runners.of(extended)
-        return super().run_replicas(extended, fn, per_replica_args)
 
     # -- collectives -----------------------------------------------------------------------
     def reduce_to(self, values: Sequence[Any], destination: str) -> Any:

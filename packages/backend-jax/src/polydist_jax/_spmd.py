@@ -47,22 +47,15 @@ from jax import lax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from polydist._base import communication as _communication
-from polydist._base.arrays import convert_to_array, describe, dtype_name
-from polydist._base.reduce_op import ReduceOp
-from polydist._collectives import trace as _trace
-from polydist._strategies import context as _context
-from polydist._strategies.replica_context import ReplicaContext
-from polydist._valuetypes import nest as _nest
-from polydist._valuetypes import variables as _variables
-from polydist._valuetypes.values import DistributedValues, value_container
-from polydist._valuetypes.variables import (
-    DistributedVariable,
-    Variable,
-    storage_arrays,
-    swap_storage,
-)
+from polydist import ReduceOp, ReplicaContext, Variable
+from polydist.backend import collectives as _communication
+from polydist.backend import context as _context
+from polydist.backend import nest as _nest
 from polydist.backend import pack_by_dtype
+from polydist.backend import tracing as _trace
+from polydist.backend.arrays import convert_to_array, describe, dtype_name
+from polydist.backend.tracing import storage_arrays, swap_storage, tracking_state
+from polydist.backend.values import DistributedValues, DistributedVariable, value_container
 from polydist_jax import _functional, _input
 from polydist_jax._devices import jax_device
 from polydist_jax._functional import TracedVariables, pick_local
@@ -83,6 +76,7 @@ from polydist_jax._typed import pspec, psum, x64_enabled
 
 if TYPE_CHECKING:
     from polydist import Strategy, StrategyExtended
+    from polydist.backend import ReplicaGroup
 
 __all__ = ["CompiledRunner", "Uneven"]
 
@@ -521,16 +515,8 @@ def _capture_collectives() -> Iterator[_trace.Trace]:
     Trace instead of the user's (a trace is global; other threads recording
     during a compile would land here too, which only costs them those events).
     """
-    capture = _trace.Trace()
-    with _trace._registry_lock:
-        saved = _trace._active
-        _trace._active = (capture,)
-    try:
+    with _trace.capture_collectives() as capture:
         yield capture
-    finally:
-        with _trace._registry_lock:
-            opened_meanwhile = tuple(t for t in _trace._active if t is not capture)
-            _trace._active = saved + tuple(t for t in opened_meanwhile if t not in saved)
 
 
 def _replay(events: Sequence[_trace.CollectiveEvent]) -> None:
@@ -635,13 +621,14 @@ class SpmdChannel:
 
     def __init__(
         self,
-        strategy: Strategy,
-        devices: tuple[str, ...],
+        group: ReplicaGroup,
         shared_inputs: set[int],
         variables: TracedVariables | None = None,
     ) -> None:
-        self._strategy = strategy
-        self._devices = devices
+        assert group.strategy is not None, "core passes the group of a run"
+        self._strategy: Strategy = group.strategy
+        self._devices = group.devices
+        self._options = group.communication_options
         self._shared_inputs = shared_inputs
         self._variables = variables
         # Traced values merge_fn handed to every replica as one object (id -> value,
@@ -660,9 +647,8 @@ class SpmdChannel:
             # One process: XLA's own all-reduce of the nest (packing would only add the
             # copies in and out: 10% on the CPU MLP benchmark's step).
             return list(psum(arrays, replica_axis()))
-        options = getattr(self._strategy.extended, "_communication_options", None)
         call = _communication.current_call_options()
-        return _packed_psum(arrays, _communication.bytes_per_pack(options, call))
+        return _packed_psum(arrays, _communication.bytes_per_pack(self._options, call))
 
     def all_gather(self, values: Sequence[Any], axis: int) -> list[Any]:
         out = []
@@ -701,7 +687,7 @@ class SpmdChannel:
         # into the program), as on eager backends.
         creating = (
             jax.ensure_compile_time_eval()
-            if merge_fn is _variables._merge_create
+            if _trace.is_variable_creation(merge_fn)
             else contextlib.nullcontext()
         )
         views = (
@@ -709,7 +695,7 @@ class SpmdChannel:
             if self._variables is not None
             else contextlib.nullcontext()
         )
-        with _context.mode(strategy, None, strategy), views, creating:
+        with _context.cross_replica_scope(strategy), views, creating:
             result = merge_fn(strategy, *merge_args, **merge_kwargs)
 
         def select(x: Any) -> Any:
@@ -841,16 +827,16 @@ class CompiledRunner:
     # -- one call -------------------------------------------------------------------
     def run(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
         """Raises :class:`Uneven` (before running anything) if the inputs need eager mode."""
         group = self._group() if self._group is not None else None
         if group is None:
-            prepared = self._prepare(extended, fn, per_replica_args)
+            prepared = self._prepare(replicas, fn, per_replica_args)
         else:
-            prepared = self._prepare_across(group, extended, fn, per_replica_args)
+            prepared = self._prepare_across(group, replicas, fn, per_replica_args)
         program, inputs, columns, mesh, traced = prepared
         call_variables = _call.variables
         checked = _call.check
@@ -957,12 +943,12 @@ class CompiledRunner:
 
     def lower(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> Any:
         """The ``jax.stages.Lowered`` program that ``run`` would call."""
-        program, inputs, *_ = self._prepare(extended, fn, per_replica_args)
+        program, inputs, *_ = self._prepare(replicas, fn, per_replica_args)
         lowered = program.jitted.lower(*inputs)
         if program.created and program.evict is not None:
             program.evict()
@@ -971,7 +957,7 @@ class CompiledRunner:
     def _prepare_across(
         self,
         group: ProcessGroup,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> tuple[_Program, list[Any], list[list[Any]], _Mesh, bool]:
@@ -982,7 +968,7 @@ class CompiledRunner:
         describes the traced program, computed once, when it is first traced. Otherwise
         every process raises :class:`Uneven` (and runs this call eagerly)."""
         try:
-            prepared = self._prepare(extended, fn, per_replica_args)
+            prepared = self._prepare(replicas, fn, per_replica_args)
         except Uneven:
             group.agree(None)  # the others fall back to eager mode with this process
             raise
@@ -1011,11 +997,11 @@ class CompiledRunner:
 
     def _prepare(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> tuple[_Program, list[Any], list[list[Any]], _Mesh, bool]:
-        devices = tuple(extended.worker_devices)
+        devices = replicas.devices
         mesh = self._mesh(devices)
         first = per_replica_args[0]
         flat, spec = _nest.flatten(first)
@@ -1025,13 +1011,15 @@ class CompiledRunner:
         else:
             flats = [flat, *(_nest.flatten(pr)[0] for pr in per_replica_args[1:])]
             columns = [list(col) for col in zip(*flats, strict=True)]
+        assert replicas.strategy is not None, "core passes the group of a run"
+        extended = replicas.strategy.extended
         reused = self._reuse(extended, fn, spec, columns, mesh)
         if reused is not None:
             program, variables, inputs, var_inputs = reused
             _call.variables = variables
             _call.check = self._checks(program, mesh)
             return program, _ordered(var_inputs, inputs), columns, mesh, False
-        state = _variables.tracking_state(_functional.owner(extended))
+        state = tracking_state(_functional.owner(extended))
         version = state.version
         variables = _functional.collect(extended, len(devices), fn, flat)
         positions = {id(v): i for i, v in enumerate(variables)}
@@ -1039,7 +1027,7 @@ class CompiledRunner:
         var_inputs, var_keys = self._variable_input_arrays(variables, mesh)
         x64 = x64_enabled()
         key = (fn, spec, tuple(leaf.key() for leaf in leaves), var_keys, x64)
-        program = self._program(extended, key, fn, leaves, mesh, spec, variables)
+        program = self._program(replicas, key, fn, leaves, mesh, spec, variables)
         _call.variables = variables  # what a trace of this call functionalizes
         _call.check = self._checks(program, mesh)
         if not traced:
@@ -1398,7 +1386,7 @@ class CompiledRunner:
     # -- programs -------------------------------------------------------------------
     def _program(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         key: Any,
         fn: Callable[..., Any],
         leaves: list[_Leaf],
@@ -1406,6 +1394,8 @@ class CompiledRunner:
         spec: Any,
         variables: list[Variable],
     ) -> _Program:
+        assert replicas.strategy is not None, "core passes the group of a run"
+        extended = replicas.strategy.extended  # the programs are cached per strategy
         with self._lock:
             cache = self._programs.get(extended)
             if cache is None:
@@ -1415,7 +1405,7 @@ class CompiledRunner:
                 cache.move_to_end(key)
                 return program
         kinds = [isinstance(v, DistributedVariable) for v in variables]
-        program = self._build(extended, fn, leaves, mesh, spec, kinds)
+        program = self._build(replicas, fn, leaves, mesh, spec, kinds)
         program.signs = (fn, spec, leaves, key[3], key[4])  # for a group's digest
 
         def evict() -> None:
@@ -1432,16 +1422,16 @@ class CompiledRunner:
 
     def _build(
         self,
-        extended: StrategyExtended,
+        replicas: ReplicaGroup,
         fn: Callable[..., Any],
         leaves: list[_Leaf],
         mesh: _Mesh,
         spec: Any,
         distributed: list[bool],
     ) -> _Program:
-        strategy = extended._container_strategy()
-        devices = tuple(extended.worker_devices)
-        n = len(devices)
+        strategy = replicas.strategy
+        assert strategy is not None, "core passes the group of a run"
+        n = len(replicas.devices)
         dynamic = [leaf for leaf in leaves if leaf.kind not in (_STATIC, _VARIABLE, _EMPTY)]
         split_spec = pspec(mesh.axis)
         # The variables' copies: split (one copy per replica), or replicated for a plain
@@ -1493,11 +1483,11 @@ class CompiledRunner:
                 entries[id(block)] = i
                 values.append(block)
             args, kwargs = _nest.unflatten(spec, values)
-            channel = SpmdChannel(strategy, devices, shared, traced_vars)
+            channel = SpmdChannel(replicas, shared, traced_vars)
             ctx = ReplicaContext(
                 strategy, lax.axis_index(mesh.axis), channel=channel, replica_index=None
             )
-            with traced_vars.tracing(extended):
+            with traced_vars.tracing(strategy.extended):
                 with _capture_collectives() as capture, lazy_scope():
                     with ctx:
                         result = fn(*args, **kwargs)
@@ -1626,7 +1616,7 @@ class CompiledRunner:
                 elif out.kind == "variable":
                     leaves.append(variables[out.index])
                 elif out.kind == "component":
-                    leaves.append(_variables._components(variables[out.index])[r])
+                    leaves.append(_trace.components(variables[out.index])[r])
                 elif out.kind == "empty":
                     shape, dtype = out.obj
                     empty = np.zeros(shape, dtype)
@@ -1719,7 +1709,7 @@ def _mark_diverged(dirty: list[Variable], found: Any, mesh: _Mesh) -> None:
     columns = rows.reshape(rows.shape[0], len(dirty), -1)
     for j, var in enumerate(dirty):
         if not (columns[:, j] == columns[0, j]).all():
-            _variables._note_replica_write(var)  # type: ignore[arg-type]
+            _trace.note_replica_write(var)  # type: ignore[arg-type]
 
 
 def _copy(x: Any) -> Any:

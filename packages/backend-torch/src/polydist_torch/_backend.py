@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from polydist._base.devices import DeviceSpec
 from polydist.backend import Capabilities, EagerReplicaRunner, default_timeout
+from polydist.backend.devices import DeviceSpec
 from polydist_torch import _collectives, _low_precision
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._devices import (
@@ -21,9 +21,9 @@ from polydist_torch._devices import (
 )
 
 if TYPE_CHECKING:
-    from polydist import StrategyExtended
+    from polydist.backend import ReplicaGroup
 
-__all__ = ["Reduction", "TorchBackend"]
+__all__ = ["Reduction", "TorchBackend", "TorchReplicaRunner"]
 
 Reduction = Literal["auto", "sequential", "nccl"]
 _VERSION = "0.1.0"  # keep in step with pyproject.toml
@@ -100,7 +100,8 @@ class TorchBackend:
         )
         # Threads, not greenlets: torch's grad mode, autograd engine state and
         # device guards are per thread, and a greenlet switch would mix them up.
-        self._runner = EagerReplicaRunner(
+        #: How core runs the replicas (``polydist.backend.SupportsReplicaRunner``).
+        self.replica_runner: EagerReplicaRunner = TorchReplicaRunner(
             "thread", timeout_seconds, wrap_channel=TorchReplicaChannel
         )
 
@@ -194,7 +195,7 @@ class TorchBackend:
 
     def store_variable(self, stored: Any, new: Any) -> Any:
         """What a variable component stores when its value becomes ``new`` (core's
-        optional storage hook, see ``polydist._valuetypes.variables``).
+        ``polydist.backend.SupportsStoreVariable``).
 
         Stored values never carry autograd history (an assignment is not
         differentiable, as in TF). A component whose storage is a
@@ -209,25 +210,6 @@ class TorchBackend:
                 stored.copy_(new)
             return stored
         return new
-
-    # -- running -------------------------------------------------------------------
-    def run_replicas(
-        self,
-        extended: StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        if self._runner.runs_inline(len(per_replica_args)):
-            return self._runner.run(extended, fn, per_replica_args)  # on this thread
-        # Replicas run on other threads, and torch's grad, inference and autocast modes
-        # are per thread: carry the caller's into every replica, as DataParallel does.
-        state = _ThreadState.capture()
-
-        def replica_fn(*args: Any, **kwargs: Any) -> Any:
-            with state.apply():
-                return fn(*args, **kwargs)
-
-        return self._runner.run(extended, replica_fn, per_replica_args)
 
     # -- collectives -----------------------------------------------------------------
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:
@@ -244,6 +226,28 @@ class TorchBackend:
     def broadcast(self, value: Any, destinations: Sequence[str]) -> list[Any]:
         tensor = value if isinstance(value, torch.Tensor) else self.place(value, "/cpu:0")
         return _collectives.broadcast(tensor, destinations, self.reduction)
+
+
+class TorchReplicaRunner(EagerReplicaRunner):
+    """Core's eager runner, carrying the caller's torch modes into the replica threads."""
+
+    def run(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[Any]:
+        if self.runs_inline(len(per_replica_args)):
+            return super().run(group, fn, per_replica_args)  # on this thread
+        # Replicas run on other threads, and torch's grad, inference and autocast modes
+        # are per thread: carry the caller's into every replica, as DataParallel does.
+        state = _ThreadState.capture()
+
+        def replica_fn(*args: Any, **kwargs: Any) -> Any:
+            with state.apply():
+                return fn(*args, **kwargs)
+
+        return super().run(group, replica_fn, per_replica_args)
 
 
 def _host_copy(array: np.ndarray) -> torch.Tensor:

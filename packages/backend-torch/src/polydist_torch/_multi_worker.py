@@ -43,7 +43,7 @@ Bounds and faults (``CommunicationOptions.timeout_seconds``, default
 
 Agreement: before each collective every worker publishes its signature (op,
 reduce op, dtype, shape, call site) to the store and compares the others'
-(``polydist._collectives.check``); workers that disagree all raise
+(``polydist.backend.multiprocess``); workers that disagree all raise
 ``CollectiveMismatchError`` before issuing it (unchecked, gloo would hang,
 abort the process or return wrong values). ``POLYDIST_CHECK_COLLECTIVES=0``
 turns this off; a process group the program initialized itself is not
@@ -64,7 +64,7 @@ import tempfile
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,24 +73,20 @@ from torch.torch_version import TorchVersion
 
 import polydist as pd
 from polydist import errors
-from polydist._base.communication import CommunicationOptions
-from polydist._base.devices import DeviceSpec
-from polydist._collectives.check import PeerMissing
-from polydist._distributed import multi_process as mp
-from polydist._distributed.multi_process import (
+from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
+from polydist.backend import multiprocess as mp
+from polydist.backend.devices import DeviceSpec
+from polydist.backend.multiprocess import (
     DEFAULT_TIMEOUT_SECONDS,
     HEARTBEAT_SECONDS,
+    PeerMissing,
     describe_workers,
 )
-from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
 from polydist.cluster_resolver import ClusterResolver
-from polydist_torch._autograd import TorchReplicaChannel
+from polydist.experimental import CommunicationOptions
 from polydist_torch._backend import Reduction, TorchBackend, _tensors
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
 from polydist_torch._host_all_reduce import CACHE_MIN_BYTES, ResultCache
-
-if TYPE_CHECKING:
-    from polydist import StrategyExtended
 
 __all__ = [
     "DEFAULT_RESULT_CACHE_BYTES",
@@ -568,12 +564,6 @@ class TorchProcessGroupBackend(TorchBackend):
         self._rendezvous: str | None = None
         self._addresses: list[str] = []
         self._timeout = DEFAULT_TIMEOUT_SECONDS
-        self._runners = mp.ReplicaRunners(timeout_seconds, TorchReplicaChannel)
-        if not hasattr(self, "_runner"):
-            raise RuntimeError(
-                "polydist_torch.TorchBackend no longer has the _runner that "
-                "TorchProcessGroupBackend replaces; update polydist_torch._multi_worker."
-            )
 
     def __repr__(self) -> str:
         where = (
@@ -687,16 +677,6 @@ class TorchProcessGroupBackend(TorchBackend):
                 tensor = tensor.clone() if isinstance(value, torch.Tensor) else tensor
                 self._group.broadcast_(tensor)
         return tensor
-
-    # -- running ----------------------------------------------------------------------------
-    def run_replicas(
-        self,
-        extended: StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        self._runner = self._runners.of(extended)
-        return super().run_replicas(extended, fn, per_replica_args)
 
     # -- collectives across workers -----------------------------------------------------------
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:

@@ -41,16 +41,16 @@ import numpy as np
 import torch
 
 from polydist import ReduceOp, ReplicaContext
-from polydist._base.devices import DeviceSpec
-from polydist._valuetypes.nest import flatten, unflatten
 from polydist.backend import Capabilities
+from polydist.backend.devices import DeviceSpec
+from polydist.backend.nest import flatten, unflatten
 from polydist.tpu import LocalTPUSystem
 from polydist_torch import _low_precision
 from polydist_torch._backend import _host_copy
 from polydist_torch._devices import canonical_device
 
 if TYPE_CHECKING:
-    from polydist import StrategyExtended
+    from polydist.backend import ReplicaGroup
 
 __all__ = ["UNSUPPORTED", "XlaSpmdBackend"]
 
@@ -288,20 +288,22 @@ class XlaSpmdBackend:
     # -- running -------------------------------------------------------------------
     def run_replicas(
         self,
-        extended: StrategyExtended,
+        group: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
         n = len(per_replica_args)
+        strategy = group.strategy
+        assert strategy is not None, "core passes the group of a run"
         if n == 1:
             # One replica: no SPMD program, just fn as ordinary (lazy) torch-xla code; its
             # collectives are the identity and merge_call calls merge_fn (core's rules for
             # a ReplicaContext without a channel, as under OneDeviceStrategy).
             ((args, kwargs),) = per_replica_args
-            device = extended.worker_devices[0]
+            device = group.devices[0]
             replica_id = self.place(np.asarray(0, dtype=np.int32), device)
             with (
-                ReplicaContext(extended._container_strategy(), replica_id, replica_index=0),
+                ReplicaContext(strategy, replica_id, replica_index=0),
                 self.device_scope(device),
             ):
                 return [fn(*args, **kwargs)]
@@ -321,28 +323,29 @@ class XlaSpmdBackend:
         # Traced in a helper so that, once it returns, no tensor of the manual region is
         # alive: a torch_xla.sync() that met one would abort ("Check failed: !IsManual()").
         # Nothing runs yet: as usual with torch-xla, call torch_xla.sync() once per step.
-        per_replica, out_spec = self._trace(extended, fn, flat, spec)
+        per_replica, out_spec = self._trace(group, fn, flat, spec)
         return [unflatten(out_spec, [p[r] for p in per_replica]) for r in range(n)]
 
     def _trace(
         self,
-        extended: StrategyExtended,
+        group: ReplicaGroup,
         fn: Callable[..., Any],
         flat: list[tuple[list[Any], Any]],
         spec: Any,
     ) -> tuple[list[list[Any]], Any]:
         """Traces ``fn`` once; returns each result leaf's per-replica values, and the nest."""
         n = len(flat)
-        mesh = self._mesh_of(extended.worker_devices)
+        strategy = group.strategy
+        assert strategy is not None, "core passes the group of a run"
+        mesh = self._mesh_of(group.devices)
         leaves = [self._open(i, [f[0][i] for f in flat], mesh) for i in range(len(flat[0][0]))]
         args, kwargs = unflatten(spec, leaves)
         ids = np.arange(n, dtype=np.int32)
         replica_id = self._open(-1, list(ids), mesh).reshape(())
         channel = _SpmdChannel(self, replica_id, mesh)
-        strategy = extended._container_strategy()
         with (
             ReplicaContext(strategy, replica_id, channel=channel),
-            self.device_scope(extended.worker_devices[0]),
+            self.device_scope(group.devices[0]),
         ):
             result = fn(*args, **kwargs)
         out_leaves, out_spec = flatten(result)

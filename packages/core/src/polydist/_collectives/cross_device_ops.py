@@ -44,12 +44,13 @@ import contextvars
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
+from polydist._base import context as _context
 from polydist._base.arrays import (
+    check_same_shape,
     check_summable,
     convert_to_array,
     describe,
@@ -61,15 +62,18 @@ from polydist._base.devices import HOST_DEVICE, canonicalize
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._collectives import trace as _trace
 from polydist._collectives.check import collective_intent
-from polydist._strategies import context as _context
 from polydist._valuetypes import indexed_slices as _indexed_slices
 from polydist._valuetypes.values import DistributedValues, Mirrored, PerReplica, regroup
 from polydist._valuetypes.variables import Variable, _read_operand, read_for_reduce
-from polydist.backend._contract import Backend, batch_all_reduce
+from polydist.backend._contract import (
+    Backend,
+    ReplicaGroup,
+    SupportsCrossDeviceOps,
+    SupportsReductionOrder,
+    batch_all_reduce,
+    features,
+)
 from polydist.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from polydist._strategies.strategy import StrategyExtended
 
 __all__ = [
     "AllReduceCrossDeviceOps",
@@ -78,7 +82,19 @@ __all__ = [
     "HierarchicalCopyAllReduce",
     "NcclAllReduce",
     "ReductionToOneDevice",
+    "ReplicaGroup",
 ]
+
+
+class StrategyExtended(_context.StrategyExtended, Protocol):
+    """What the reduce path needs of a ``polydist.StrategyExtended`` (which sits above)."""
+
+    _cross_device_ops: Any
+
+    @property
+    def _collective_ops(self) -> CrossDeviceOps: ...
+
+    def _replica_group(self, count: int) -> ReplicaGroup: ...
 
 
 # -- which backend computes ---------------------------------------------------------------
@@ -140,23 +156,27 @@ def _derive(backend: Any, key: str, make: Callable[[Any], Any]) -> Any:
 
 def backend_with_order(backend: Backend, order: str | None) -> Backend:
     """``backend`` reconfigured to sum in ``order`` (sim), unless the user configured it."""
-    if order is None or not hasattr(backend, "with_reduction_order"):
+    if order is None or not features(backend).reduction_order:
         return backend
-    return _derive(backend, f"order:{order}", lambda b: b.with_reduction_order(order))  # type: ignore[no-any-return]
+    return _derive(  # type: ignore[no-any-return]
+        backend,
+        f"order:{order}",
+        lambda b: cast(SupportsReductionOrder, b).with_reduction_order(order),
+    )
 
 
 def backend_for(backend: Backend, ops: CrossDeviceOps | None) -> Backend:
     """The backend a ``MirroredStrategy`` with ``cross_device_ops=ops`` runs on."""
     if ops is None:
         return backend
-    if hasattr(backend, "with_cross_device_ops"):
+    if features(backend).cross_device_ops:
         base = _configurable_base(backend)
         if base is None:
             return backend
-        derived = base.with_cross_device_ops(ops)
+        derived = cast(SupportsCrossDeviceOps, base).with_cross_device_ops(ops)
         if derived is not base:
             _BASE_OF[derived] = base
-        return derived  # type: ignore[no-any-return]
+        return derived
     return backend_with_order(backend, ops._all_reduce_order)
 
 
@@ -171,26 +191,6 @@ def check_cross_device_ops(ops: Any) -> CrossDeviceOps | None:
 
 
 # -- the group and the reduce tail ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReplicaGroup:
-    """Who a cross-replica reduction spans, as the strategy supplies it (its group provider).
-
-    One process's replicas, a simulated cluster and one process per worker differ here
-    only; the reduction itself is `reduce_over_group` for all of them.
-    """
-
-    backend: Backend
-    #: Where each of this process's values is placed before the engine's SUM.
-    devices: tuple[str, ...]
-    #: How many values the engine's SUM adds up (every worker's): MEAN's divisor.
-    size: int
-    #: What the trace records as the collective's participants; ``None``: nothing.
-    participants: tuple[str, ...] | None = None
-    #: The SUM crosses processes: announce the reduce op to the workers' agreement
-    #: check, and let a batch go to the engine together (packed).
-    across_processes: bool = False
 
 
 def apply_mean(xp: Any, reduce_op: ReduceOp, values: list[Any], size: int) -> list[Any]:
@@ -686,8 +686,6 @@ class CollectiveAllReduce(CrossDeviceOps):
         (gradient, variable) pairs), the values go to the engine together
         (`batch_reduce_over_group`: one collective per pack on torch and JAX). ``None``:
         the caller reduces them one by one (one process: always, as TF does)."""
-        from polydist._strategies.strategy import _check_same_shape
-
         n = len(extended._devices)
         group = extended._replica_group(n)
         if not group.across_processes or len(pairs) < 2:
@@ -709,7 +707,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                 return None  # TF: "not efficient"
             devices = here
             components = [convert_to_array(v) for v in value.values]
-            _check_same_shape(components, "reduce")
+            check_same_shape(components, "reduce")
             columns.append(components)
         assert devices is not None
         packing = bytes_per_pack(

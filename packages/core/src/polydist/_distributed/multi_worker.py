@@ -39,8 +39,9 @@ from polydist._distributed.cluster import (
     normalize_cluster_spec,
     worker_count,
 )
+from polydist._strategies.mirrored import MirroredExtended
 from polydist._strategies.replica_context import ReplicaContext
-from polydist._strategies.strategy import MirroredExtended, Strategy, StrategyExtended
+from polydist._strategies.strategy import Strategy
 from polydist._valuetypes import nest as _nest
 from polydist._valuetypes.values import DistributedValues, Mirrored, select_replica
 from polydist.backend._contract import (
@@ -100,7 +101,7 @@ class MultiWorkerExtended(MirroredExtended):
             )
         resolved = get_backend(backend)
         self._cluster_resolver = cluster_resolver
-        self._communication_options = communication_options
+        self._communication_options: CommunicationOptions = communication_options
         self._rpc_layer = cluster_resolver.rpc_layer
 
         spec = normalize_cluster_spec(cluster_resolver.cluster_spec())
@@ -241,14 +242,9 @@ class MultiWorkerExtended(MirroredExtended):
         wrapped = InReplicaContext(fn, _SimulatedWorkerReplicaContext)
         return super()._call_for_each_replica(wrapped, args, kwargs)
 
-    def _replica_runner_view(self) -> StrategyExtended:
-        if not self._runs_other_workers():
-            return self
-        # The eager runner places replica r on worker_devices[r]: show it every run
-        # worker's devices. The view shares this object's state (the same __dict__).
-        view = _AllWorkersView.__new__(_AllWorkersView)
-        view.__dict__ = self.__dict__
-        return view
+    def _run_devices(self) -> tuple[str, ...]:
+        # A simulated cluster runs every worker's replicas here, replica r on the r-th.
+        return self._devices if self._runs_other_workers() else self.worker_devices
 
     def _local_results(self, value: Any) -> tuple[Any, ...]:
         if not self._runs_other_workers():
@@ -308,14 +304,6 @@ class MultiWorkerExtended(MirroredExtended):
         copies = [array] * len(group.devices)  # this process's workers' copies
         total = _cross_device_ops.reduce_over_group(group, reduce_op, copies, self._worker_device)
         return self._to_destinations(total, destinations)
-
-
-class _AllWorkersView(MultiWorkerExtended):
-    """Shares a `MultiWorkerExtended`'s state; its ``worker_devices`` are every run worker's."""
-
-    @property
-    def worker_devices(self) -> tuple[str, ...]:
-        return self._devices
 
 
 class _SimulatedWorkerReplicaContext(ReplicaContext):

@@ -1,20 +1,21 @@
-"""The simulator backend: virtual devices, eager replicas, exact reductions."""
+"""The simulator backend: virtual devices, eager replicas, exact reductions.
+
+Its execution model is eager: core runs the replicas (``replica_runner``
+configures how), and the sim supplies devices, placement and collectives."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Collection, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
 from polydist._sim._reduction import REDUCTION_ORDERS, ReductionOrder, sum_replicas
-from polydist.backend import Capabilities, EagerReplicaRunner
+from polydist._strategies.eager import EagerReplicaRunner
+from polydist.backend._contract import Capabilities
 from polydist.cluster_resolver import set_accelerator_device_lister
-
-if TYPE_CHECKING:
-    from polydist import StrategyExtended
 
 __all__ = ["MAX_DEVICES", "SimBackend"]
 
@@ -70,6 +71,8 @@ class SimBackend:
 
     name = "sim"
     version = _VERSION
+    #: `polydist.backend.SupportsSimulatedDevices`: any ``/gpu:K`` below this exists.
+    max_simulated_devices = MAX_DEVICES
 
     def __init__(
         self,
@@ -96,7 +99,8 @@ class SimBackend:
             uneven_gather=True,
             measured_timing=False,  # traces carry the cost model's predictions instead
         )
-        self._runner = EagerReplicaRunner(replica_mode, timeout_seconds)
+        #: How core runs the replicas (``polydist.backend.SupportsReplicaRunner``).
+        self.replica_runner = EagerReplicaRunner(replica_mode, timeout_seconds)
         if num_gpus is None:
             num_gpus = int(os.environ.get(GPUS_ENV, "0"))
         if not 0 <= num_gpus <= MAX_DEVICES:
@@ -106,7 +110,7 @@ class SimBackend:
     def with_reduction_order(self, reduction_order: ReductionOrder) -> SimBackend:
         """A sim backend like this one with another reduction order."""
         other = SimBackend(reduction_order, num_gpus=self._num_gpus)
-        other._runner = self._runner
+        other.replica_runner = self.replica_runner
         return other
 
     def __repr__(self) -> str:
@@ -197,15 +201,6 @@ class SimBackend:
 
     def to_numpy(self, value: Any) -> np.ndarray:
         return np.asarray(value)
-
-    # -- running -------------------------------------------------------------------
-    def run_replicas(
-        self,
-        extended: StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        return self._runner.run(extended, fn, per_replica_args)
 
     # -- collectives -----------------------------------------------------------------
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:

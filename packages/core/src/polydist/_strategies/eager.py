@@ -1,10 +1,12 @@
 """Runs replicas eagerly, one at a time, with a rendezvous at every collective.
 
-This is how TF's MirroredStrategy runs eagerly, and what eager backends (the
-sim, torch) delegate ``run_replicas`` to. Replicas take turns in replica
-order: each runs until it reaches a collective or ``merge_call`` (a *sync
-point*) or returns. When all have paused, the runner checks that they agree
-and performs the collective through the backend's list collectives.
+This is how TF's MirroredStrategy runs eagerly, and how core runs
+``strategy.run`` on backends whose execution model is eager (the sim, torch),
+configured by the backend (``polydist.backend.SupportsReplicaRunner``).
+Replicas take turns in replica order: each runs until it reaches a
+collective or ``merge_call`` (a *sync point*) or returns. When all have
+paused, the runner checks that they agree and performs the collective
+through the backend's list collectives.
 
 Because replicas never run at the same time, execution is deterministic, and
 a disagreement is seen exactly: it raises ``CollectiveMismatchError`` at
@@ -33,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import greenlet
 import numpy as np
@@ -45,14 +47,24 @@ from polydist._collectives import trace as _trace
 from polydist._collectives.check import collective_intent
 from polydist._strategies import context as _context
 from polydist._valuetypes.values import regroup, select_replica
-from polydist.backend._contract import batch_all_reduce
+from polydist.backend._contract import (
+    SupportsCompiledRun,
+    SupportsReplicaRunner,
+    batch_all_reduce,
+    features,
+)
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
 
 if TYPE_CHECKING:
-    from polydist._strategies.strategy import StrategyExtended
-    from polydist.backend._contract import Backend, ReplicaChannel
+    from polydist.backend._contract import Backend, ReplicaChannel, ReplicaGroup
 
-__all__ = ["EagerReplicaRunner", "busy_workers", "default_timeout", "timeout_seconds_from_env"]
+__all__ = [
+    "EagerReplicaRunner",
+    "ReplicaExecution",
+    "busy_workers",
+    "default_timeout",
+    "timeout_seconds_from_env",
+]
 
 TIMEOUT_ENV = "POLYDIST_TIMEOUT_SECONDS"
 IDLE_ENV = "POLYDIST_IDLE_THREAD_SECONDS"
@@ -536,28 +548,32 @@ def _leaf_text(leaf: tuple[Any, tuple[Any, ...]]) -> str:
 
 
 class _Run:
-    """One call of ``run_replicas``: the scheduler."""
+    """One run of the replicas: the scheduler."""
 
     def __init__(
         self,
-        extended: StrategyExtended,
+        group: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
         mode: Mode,
         timeout: float,
         wrap_channel: Callable[[ReplicaChannel, int], ReplicaChannel] | None = None,
     ) -> None:
-        self.strategy = extended._container_strategy()
+        if group.strategy is None:
+            raise ValueError(
+                "EagerReplicaRunner.run needs the ReplicaGroup of a run (with its strategy): "
+                "polydist.backend.replica_group(strategy), or the group run_replicas got."
+            )
+        self.strategy = group.strategy
         self.wrap_channel = wrap_channel
-        self.backend: Backend = extended._backend
-        self.devices: tuple[str, ...] = tuple(extended.worker_devices)
+        self.offset = group.replica_offset
+        self.backend: Backend = group.backend
+        self.devices: tuple[str, ...] = group.devices
         self.fn = fn
         self.args = per_replica_args
         self.timeout = timeout
         # The strategy's CommunicationOptions (multi-worker strategies only).
-        self.options: CommunicationOptions | None = getattr(
-            extended, "_communication_options", None
-        )
+        self.options: CommunicationOptions | None = group.communication_options
         self.running: _Slot | None = None  # greenlet mode: the replica running now
         self.switches = 0  # greenlet mode: replica resumptions so far
         self.thread_id = threading.get_ident()
@@ -575,7 +591,7 @@ class _Run:
         replica_id = self.backend.place(np.asarray(index, dtype=np.int32), device)
         channel: ReplicaChannel = _EagerChannel(slot)
         if self.wrap_channel is not None:
-            channel = self.wrap_channel(channel, index)
+            channel = self.wrap_channel(channel, self.offset + index)
         ctx = ReplicaContext(self.strategy, replica_id, channel=channel, replica_index=index)
         args, kwargs = self.args[index]
         with ctx, self.backend.device_scope(device):
@@ -643,7 +659,7 @@ class _Run:
         # Engines that check collectives across processes publish the op and call site.
         reduce_op = first.signature[0] if first.kind == "all_reduce" else None
         intent = collective_intent(reduce_op, lambda: first.source)
-        batches = hasattr(backend, "batch_all_reduce")
+        batches = features(backend).batch_all_reduce
         if first.kind == "all_reduce" and len(first.payload) > 1 and batches:
             # A nest, on a backend that packs its arrays into fewer collectives (as TF
             # does): the trace still lists each array, with its share of the time.
@@ -726,7 +742,14 @@ def _nbytes(array: Any) -> int:
 
 
 class EagerReplicaRunner:
-    """``Backend.run_replicas`` for eager backends: ``return runner.run(extended, fn, args)``.
+    """Runs ``strategy.run``'s replicas eagerly: core's runner for eager backends.
+
+    Core calls ``run(group, fn, per_replica_args)`` for a backend whose
+    ``Capabilities.execution_model`` is ``"eager"``, with the backend's
+    ``replica_runner`` (``polydist.backend.SupportsReplicaRunner``) or a default
+    one. A compiled backend may call it too, for a call it cannot compile. A
+    subclass may extend ``run`` with work around a whole run (calling
+    ``super().run``).
 
     Args:
         mode: ``"greenlet"`` (default) runs replicas as greenlets on the calling
@@ -735,10 +758,11 @@ class EagerReplicaRunner:
             ``$POLYDIST_TIMEOUT_SECONDS`` or 300). Thread mode raises
             ``DeadlineExceededError`` after it; greenlet mode can only report the
             replica on stderr (a blocked greenlet blocks the calling thread).
-        wrap_channel: called as ``wrap_channel(channel, replica_index)`` for each
-            replica of each run; what it returns is the replica's channel. A
-            backend uses it to wrap the collectives, e.g. to make them
-            differentiable (torch's autograd).
+        wrap_channel: called as ``wrap_channel(channel, replica_id)`` for each
+            replica of each run, ``replica_id`` its id among every worker's replicas
+            (``group.replica_offset`` + its index here); what it returns is the
+            replica's channel. A backend uses it to wrap the collectives, e.g. to
+            make them differentiable (torch's autograd).
     """
 
     def __init__(
@@ -765,9 +789,53 @@ class EagerReplicaRunner:
 
     def run(
         self,
-        extended: StrategyExtended,
+        group: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
+        """Calls ``fn(*args, **kwargs)`` once per replica of ``group`` (a run's group:
+        `polydist.backend.replica_group`), each inside its ``ReplicaContext`` and device
+        scope, and returns each replica's result in replica order."""
         timeout = self._timeout if self._timeout is not None else default_timeout()
-        return _Run(extended, fn, per_replica_args, self._mode, timeout, self._wrap_channel).run()
+        return _Run(group, fn, per_replica_args, self._mode, timeout, self._wrap_channel).run()
+
+
+#: The runner of an eager backend that configures none (`SupportsReplicaRunner`).
+_DEFAULT_RUNNER = EagerReplicaRunner()
+
+
+class ReplicaExecution:
+    """How core runs ``strategy.run`` over one `ReplicaGroup`: the backend's features are
+    resolved once, here, and each run reads its execution model (a backend may switch
+    it, e.g. ``JaxProcessBackend.set_jit``)."""
+
+    __slots__ = ("_compiles", "_supplies_runner", "group")
+
+    def __init__(self, group: ReplicaGroup) -> None:
+        self.group = group
+        self._supplies_runner = isinstance(group.backend, SupportsReplicaRunner)
+        self._compiles = isinstance(group.backend, SupportsCompiledRun)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[Any]:
+        group = self.group
+        backend = group.backend
+        if backend.capabilities.execution_model == "eager":
+            runner = (
+                cast("SupportsReplicaRunner", backend).replica_runner
+                if self._supplies_runner
+                else _DEFAULT_RUNNER
+            )
+            return runner.run(group, fn, per_replica_args)
+        if not self._compiles:
+            raise TypeError(
+                f"Backend {backend.name!r} declares Capabilities.execution_model="
+                f"{backend.capabilities.execution_model!r} but has no run_replicas(group, fn, "
+                "per_replica_args) (polydist.backend.SupportsCompiledRun), so strategy.run "
+                "cannot run on it. Implement run_replicas, or declare execution_model='eager' "
+                "to have core run the replicas."
+            )
+        return cast("SupportsCompiledRun", backend).run_replicas(group, fn, per_replica_args)

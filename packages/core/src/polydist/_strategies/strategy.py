@@ -5,25 +5,29 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from polydist._base.arrays import (
+    check_same_shape,
     check_summable,
     convert_to_array,
     describe,
     divide_exactly,
     is_integral,
 )
-from polydist._base.communication import call_options
+from polydist._base.communication import CommunicationOptions, call_options
 from polydist._base.devices import HOST_DEVICE, canonicalize
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._collectives import cross_device_ops as _cross_device_ops
 from polydist._collectives import trace as _trace
 from polydist._strategies import context as _context
+from polydist._strategies import eager as _eager
 from polydist._strategies.extended_mixin import ExtendedVariablesMixin
-from polydist._strategies.replica_context import ReplicaContext, _check_gather_axis
+from polydist._strategies.replica_context import (
+    _check_gather_axis,
+)
 from polydist._valuetypes import indexed_slices as _indexed_slices
 from polydist._valuetypes import nest as _nest
 from polydist._valuetypes import variables as _variables
@@ -37,14 +41,14 @@ from polydist._valuetypes.values import (
     regroup,
     select_replica,
 )
-from polydist.backend._contract import Backend, get_backend
+from polydist.backend._contract import Backend, ReplicaGroup, get_backend
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from polydist._input.input_lib import DistributedDataset
     from polydist.data import InputContext, InputOptions
 
-__all__ = ["MirroredStrategy", "OneDeviceStrategy", "Strategy", "StrategyExtended"]
+__all__ = ["Strategy", "StrategyExtended"]
 
 _GATHER_MESSAGE = (
     "tf.distribute.Strategy.gather method requires cross-replica context, use "
@@ -59,6 +63,9 @@ class StrategyExtended(ExtendedVariablesMixin):
     every strategy shares.
     """
 
+    #: The strategy's ``CommunicationOptions`` (multi-worker strategies set them).
+    _communication_options: CommunicationOptions | None = None
+
     def __init__(
         self,
         container_strategy: Strategy,
@@ -71,6 +78,7 @@ class StrategyExtended(ExtendedVariablesMixin):
         self._backend_ref = backend
         self._devices: tuple[str, ...] = tuple(devices)
         self._cross_device_ops = cross_device_ops
+        self._run_execution_cache: _eager.ReplicaExecution | None = None
 
     # -- plumbing -------------------------------------------------------------
     def _container_strategy(self) -> Strategy:
@@ -103,6 +111,8 @@ class StrategyExtended(ExtendedVariablesMixin):
         result = self.__class__.__new__(self.__class__)
         memo[id(self)] = result
         for k, v in self.__dict__.items():
+            if k == "_run_execution_cache":
+                v = None  # it refers to the backend and the strategy: the copy builds its own
             setattr(result, k, v if k == "_backend_ref" else copy.deepcopy(v, memo))
         return result
 
@@ -140,15 +150,44 @@ class StrategyExtended(ExtendedVariablesMixin):
         per_replica = _per_replica_args(args, kwargs, len(self._devices))
         if _trace.is_tracing():
             _trace.begin_step()
-        results = self._backend.run_replicas(self._replica_runner_view(), fn, per_replica)
+        results = self._run_execution().run(fn, per_replica)
         _variables.after_run(self)  # ReplicaDivergenceWarning for NONE-aggregated copies
         return regroup(results)
 
-    def _replica_runner_view(self) -> StrategyExtended:
-        """What ``Backend.run_replicas`` gets: ``self``, except that a simulated
-        multi-worker strategy gives a view whose ``worker_devices`` are every
-        simulated worker's (the runner places replica ``r`` on the ``r``-th)."""
-        return self
+    def _run_devices(self) -> tuple[str, ...]:
+        """The devices of the replicas ``strategy.run`` runs in this process, in replica
+        order: ``worker_devices``, except that a simulated cluster runs every worker's."""
+        return self.worker_devices
+
+    def _run_group(self) -> ReplicaGroup:
+        """The `ReplicaGroup` of ``strategy.run`` (``polydist.backend.replica_group``)."""
+        return self._run_execution().group
+
+    def _run_execution(self) -> _eager.ReplicaExecution:
+        """How ``strategy.run`` runs: built once, and again only when the run's devices
+        change (a TPU logical device), so that a step pays no more than a lookup."""
+        devices = self._run_devices()
+        execution = self._run_execution_cache
+        if execution is not None:
+            cached = execution.group.devices
+            if cached is devices or cached == devices:
+                return execution
+        group = ReplicaGroup(
+            self._backend,
+            tuple(devices),
+            self._num_replicas_in_sync,
+            tuple(devices),
+            across_processes=self._run_across_processes(),
+            strategy=self._container_strategy(),
+            replica_offset=self._replica_offset,
+            communication_options=self._communication_options,
+        )
+        execution = self._run_execution_cache = _eager.ReplicaExecution(group)
+        return execution
+
+    def _run_across_processes(self) -> bool:
+        """Whether a run's collectives span several processes (one per worker)."""
+        return False
 
     # -- reductions --------------------------------------------------------------
     def reduce_to(
@@ -213,7 +252,7 @@ class StrategyExtended(ExtendedVariablesMixin):
         if any(isinstance(v, IndexedSlices) for v in value.values):
             return self._reduce_indexed_slices(reduce_op, value.values, destinations)
         components = [convert_to_array(v) for v in value.values]
-        _check_same_shape(components, "reduce")
+        check_same_shape(components, "reduce")
         if len(components) == 1 and not self._replica_group(1).across_processes:
             return self._to_destinations(components[0], destinations)
         if self._cross_device_ops is not None:  # TF: the strategy's CrossDeviceOps reduces
@@ -645,18 +684,6 @@ def _equals_zero(x: Any) -> bool:
         return False
 
 
-def _check_same_shape(components: Sequence[Any], what: str) -> None:
-    first = components[0]
-    for r, c in enumerate(components[1:], start=1):
-        if tuple(c.shape) != tuple(first.shape) or c.dtype != first.dtype:
-            raise InvalidArgumentError(
-                f"Cannot {what} across replicas: replica 0 has {describe(first)} but replica {r} "
-                f"has {describe(c)}. With axis=None every replica's value must have the same "
-                "shape and dtype; to reduce values of different lengths pass an axis, e.g. "
-                "strategy.reduce(op, value, axis=0)."
-            )
-
-
 def _check_gather_shapes(components: Sequence[Any], axis: int, *, same_shape: bool) -> None:
     first = components[0]
     rank = len(first.shape)
@@ -713,116 +740,3 @@ def _resolve_devices(backend: Backend, devices: Any) -> tuple[str, ...]:
         raise ValueError(f"No duplicates allowed in `devices` argument: {devices}")
     backend.validate_devices(canonical)
     return canonical
-
-
-class MirroredExtended(StrategyExtended):
-    """``StrategyExtended`` of ``MirroredStrategy``."""
-
-
-class MirroredStrategy(Strategy):
-    """Synchronous training on several devices of one machine.
-
-    One replica per device; variables are mirrored and gradients all-reduced.
-
-    Args:
-        devices: device strings (``["/gpu:0", "/gpu:1"]``). ``None`` uses all
-            the backend's accelerators, or the CPU if it has none. An ``int``
-            N (a polydist extension) takes the backend's first N accelerators:
-            on the simulator ``MirroredStrategy(8)`` gives 8 virtual GPUs.
-        cross_device_ops: a ``CrossDeviceOps`` choosing the all-reduce algorithm
-            (on the simulator, the summation order: see ``polydist._collectives.cross_device_ops``;
-            a backend object passed explicitly keeps its own order).
-        backend: a backend name or object; else ``$POLYDIST_BACKEND``, else ``sim``.
-    """
-
-    # The compat.v1 strategy subclasses build their StrategyExtended subclass here.
-    _extended_class: ClassVar[type[MirroredExtended]] = MirroredExtended
-
-    def __init__(
-        self,
-        devices: Sequence[str] | int | None = None,
-        cross_device_ops: Any = None,
-        *,
-        backend: str | Backend | None = None,
-    ) -> None:
-        ops = _cross_device_ops.check_cross_device_ops(cross_device_ops)
-        resolved = _cross_device_ops.backend_for(get_backend(backend), ops)
-        canonical = _resolve_devices(resolved, devices)
-        super().__init__(self._extended_class(self, resolved, canonical, cross_device_ops=ops))
-
-
-class OneDeviceExtended(StrategyExtended):
-    """``StrategyExtended`` of ``OneDeviceStrategy``: one replica, no communication."""
-
-    _distributed_variables = False  # TF: plain variables on the device
-
-    def _call_for_each_replica(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        strategy = self._container_strategy()
-        device = self._devices[0]
-        replica_id = self._backend.place(np.asarray(0, dtype=np.int32), device)
-        with (
-            ReplicaContext(strategy, replica_id, replica_index=0),
-            self._backend.device_scope(device),
-        ):
-            return fn(*args, **kwargs)
-
-
-class OneDeviceStrategy(Strategy):
-    """Runs everything on one device: a single replica, placed on ``device``."""
-
-    _extended_class: ClassVar[type[OneDeviceExtended]] = OneDeviceExtended  # see MirroredStrategy
-
-    def __init__(self, device: str, *, backend: str | Backend | None = None) -> None:
-        resolved = get_backend(backend)
-        canonical = canonicalize(device)
-        resolved.validate_devices((canonical,))
-        super().__init__(self._extended_class(self, resolved, (canonical,)))
-
-
-class _DefaultExtended(StrategyExtended):
-    """The default strategy: no distribution, everything happens in place."""
-
-    def _call_for_each_replica(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        strategy = self._container_strategy()
-        with ReplicaContext(strategy, np.asarray(0, dtype=np.int32), replica_index=0):
-            return fn(*args, **kwargs)
-
-    def _reduce_to(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
-        value = _variables.read_for_reduce(value)
-        if isinstance(value, DistributedValues):
-            return value.values[0]
-        return value
-
-    def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
-        return value
-
-    @property
-    def worker_devices(self) -> tuple[str, ...]:
-        raise RuntimeError("worker_devices() method unsupported by default tf.distribute.Strategy.")
-
-    @property
-    def parameter_devices(self) -> tuple[str, ...]:
-        raise RuntimeError(
-            "parameter_devices() method unsupported by default tf.distribute.Strategy."
-        )
-
-
-class _DefaultDistributionStrategy(Strategy):
-    @contextmanager
-    def _scope_impl(self) -> Iterator[Strategy]:
-        if _context.has_strategy():
-            raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
-        yield self
-
-    def __repr__(self) -> str:
-        return "<default polydist strategy>"
-
-
-def _make_default_strategy() -> Strategy:
-    strategy = _DefaultDistributionStrategy.__new__(_DefaultDistributionStrategy)
-    Strategy.__init__(strategy, _DefaultExtended(strategy, None, (HOST_DEVICE,)))
-    return strategy

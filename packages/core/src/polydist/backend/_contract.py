@@ -4,18 +4,21 @@ Core owns every semantic rule (contexts, regrouping, reduce-axis rules, the
 MEAN dtype rule, error messages). A backend owns devices, placement, running
 the replica function, and the collectives. See ``docs/extending.md``.
 
-Two execution models fit the same contract:
+Core owns the execution model (``Capabilities.execution_model``):
 
-* **eager** (sim, torch): ``run_replicas`` calls ``fn`` once per replica.
-  Such backends delegate to :class:`polydist.backend.EagerReplicaRunner`,
-  which runs the replicas, rendezvouses them at every collective and
-  ``merge_call``, and calls the backend's list collectives
-  (``all_reduce``, ``all_gather``, ...) with one value per replica.
-* **spmd** (jax): ``run_replicas`` traces ``fn`` once for all replicas
-  (``jax.shard_map``). Inside the trace it installs a
-  :class:`ReplicaContext` whose :class:`ReplicaChannel` turns collectives
-  into compiled ops (``lax.psum``), and runs ``merge_fn`` in a
-  cross-replica context over per-replica values that are traced.
+* **eager** (sim, torch): core runs ``fn`` once per replica itself, with
+  :class:`polydist.backend.EagerReplicaRunner`, which rendezvouses the replicas
+  at every collective and ``merge_call`` and calls the backend's list
+  collectives (``all_reduce``, ``all_gather``, ...) with one value per replica.
+  The backend supplies devices, placement and collectives; it may configure
+  the runner (`SupportsReplicaRunner`).
+* **spmd** (jax, torch-xla): core calls the backend's ``run_replicas(group,
+  fn, per_replica_args)`` (`SupportsCompiledRun`) with the `ReplicaGroup` to
+  run, a frozen description built once per strategy. It traces ``fn`` once
+  for all replicas (``jax.shard_map``), installs a ``ReplicaContext`` whose
+  :class:`ReplicaChannel` turns collectives into compiled ops
+  (``lax.psum``), and runs ``merge_fn`` in a cross-replica context over
+  per-replica values that are traced.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import importlib.metadata
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
 
 from polydist.errors import BackendNotFoundError
 
@@ -36,22 +40,40 @@ if TYPE_CHECKING:
 
     from polydist._base.communication import CommunicationOptions
     from polydist._base.reduce_op import ReduceOp
-    from polydist._strategies.strategy import StrategyExtended
-    from polydist.cluster_resolver import ClusterResolver
+    from polydist._collectives.cross_device_ops import CrossDeviceOps
+    from polydist._strategies.eager import EagerReplicaRunner
+    from polydist._strategies.strategy import Strategy
+    from polydist.cluster_resolver._base import ClusterResolver
     from polydist.tpu import LocalTPUSystem
 
 __all__ = [
     "Backend",
     "Capabilities",
+    "ClusterBackend",
     "ClusterToJoin",
-    "SupportsWorkerProcesses",
+    "Features",
     "ReplicaChannel",
+    "SupportsBatchAllReduce",
+    "SupportsCrossDeviceOps",
+    "SupportsLocalTPUSystem",
+    "SupportsPlacePerReplica",
+    "SupportsReductionOrder",
+    "SupportsSimulatedDevices",
+    "SupportsStoreVariable",
+    "SupportsSymbolicValues",
+    "SupportsWorkerProcesses",
+    "WorkerProcessBackend",
+    "ReplicaGroup",
+    "SupportsCompiledRun",
+    "SupportsReplicaRunner",
     "available_backends",
     "backends_owning",
+    "features",
     "get_backend",
     "get_backend_for_value",
     "is_symbolic",
     "local_tpu_system",
+    "replica_group",
 ]
 
 ENTRY_POINT_GROUP = "polydist.backends"
@@ -109,7 +131,7 @@ class Capabilities:
     #: Variables can be read and written inside ``strategy.run`` (replica context).
     #: ``None`` (the default): ``execution_model == "eager"`` (see ``has``). An eager
     #: backend calls each replica in Python, where core handles variables; an SPMD
-    #: backend must functionalize them (``polydist._valuetypes.variables.swap_storage``) and
+    #: backend must functionalize them (``polydist.backend.tracing.swap_storage``) and
     #: declare ``True``.
     variables_in_replica_context: bool | None = None
     #: ``TPUStrategy`` and ``MultiWorkerMirroredStrategy`` accept slices and clusters of
@@ -176,18 +198,13 @@ class Backend(Protocol):
     result placed on each destination device; ``all_reduce`` and
     ``reduce_to`` compute the SUM (core derives MEAN).
 
-    Optional: ``local_tpu_system() -> polydist.tpu.LocalTPUSystem`` describes the
-    TPU cores this backend runs ``TPUStrategy`` on (a backend on real devices;
-    see `local_tpu_system`). The backend must then accept
-    ``/job:localhost/replica:0/task:0/device:TPU:k`` as core ``k``.
+    Optional features are the small ``Supports…`` protocols below (and
+    `ClusterBackend`, `WorkerProcessBackend`): a backend implements the methods of
+    those it has. Core checks them once per backend (`features`), never by name.
 
-    Optional: ``is_symbolic(value) -> bool``: whether ``value`` belongs to a program
-    being compiled (a JAX tracer), whose concrete values do not exist yet; see
-    `is_symbolic`.
-
-    Optional: ``batch_all_reduce(columns, destinations, bytes_per_pack)``: the
-    ``all_reduce`` of several arrays at once (one replica-context ``all_reduce`` of a
-    nest), packed into fewer collectives; see `batch_all_reduce`.
+    Running the replicas: an eager backend has nothing to implement (core runs
+    them; `SupportsReplicaRunner` configures how); a backend that declares
+    ``execution_model="spmd"`` implements `SupportsCompiledRun`.
     """
 
     name: str
@@ -225,16 +242,6 @@ class Backend(Protocol):
         """Copies a backend array to a host NumPy array."""
         ...
 
-    def run_replicas(
-        self,
-        extended: StrategyExtended,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]:
-        """Calls ``fn(*args, **kwargs)`` once per replica, each inside its
-        ``ReplicaContext``, and returns each replica's result in order."""
-        ...
-
     def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:
         """Sums ``values`` and returns the sum on each of ``destinations``."""
         ...
@@ -253,6 +260,252 @@ class Backend(Protocol):
     def broadcast(self, value: Any, destinations: Sequence[str]) -> list[Any]:
         """Copies ``value`` to each of ``destinations``."""
         ...
+
+
+# -- optional features ------------------------------------------------------------------
+
+
+@runtime_checkable
+class ClusterBackend(Protocol):
+    """What a backend declaring ``Capabilities.multi_worker`` or ``.tpu`` implements too."""
+
+    def connect_cluster(
+        self, worker_devices: Sequence[Sequence[str]], worker_index: int
+    ) -> tuple[int, ...]:
+        """Makes the devices of every worker (or TPU host) usable.
+
+        ``worker_devices[w]`` are worker ``w``'s devices, canonical TF strings
+        such as ``/job:worker/replica:0/task:1/device:GPU:0``; this process is
+        worker ``worker_index``. Returns the (sorted) indices of the workers
+        whose replicas this process runs: every worker on a simulator,
+        ``(worker_index,)`` on an engine with one process per worker. Raises
+        ``ValueError`` naming a device the backend cannot use.
+        """
+        ...
+
+
+@runtime_checkable
+class WorkerProcessBackend(Protocol):
+    """The engine half of ``MultiWorkerMirroredStrategy`` with one process per worker
+    (what `SupportsWorkerProcesses.worker_process_engine` returns), besides ``Backend``
+    and `ClusterBackend.connect_cluster` (which returns ``(worker_index,)``)."""
+
+    def local_device_count(self, requested: int | None) -> tuple[str, int] | None:
+        """This worker's replica device type and count for ``local_devices=requested``;
+        ``None`` (only when ``requested`` is None) applies TF's rule."""
+        ...
+
+    def broadcast_from_chief(self, value: Any, device: str) -> Any:
+        """Worker 0's ``value`` (an array), on ``device`` of every worker (a collective)."""
+        ...
+
+
+@runtime_checkable
+class SupportsLocalTPUSystem(Protocol):
+    """A backend on real TPUs: the cores it runs ``TPUStrategy`` on (see
+    `local_tpu_system`). It must accept ``/job:localhost/replica:0/task:0/device:TPU:k``
+    as core ``k``."""
+
+    def local_tpu_system(self) -> LocalTPUSystem | None: ...
+
+
+@runtime_checkable
+class SupportsSymbolicValues(Protocol):
+    """A compiling backend: whether ``value`` belongs to a program being compiled (a JAX
+    tracer), whose concrete values do not exist yet (see `is_symbolic`)."""
+
+    def is_symbolic(self, value: Any) -> bool: ...
+
+
+@runtime_checkable
+class SupportsBatchAllReduce(Protocol):
+    """The ``all_reduce`` of several arrays at once (one replica-context ``all_reduce``
+    of a nest), packed into fewer collectives (see `batch_all_reduce`)."""
+
+    def batch_all_reduce(
+        self, columns: Sequence[Sequence[Any]], destinations: Sequence[str], bytes_per_pack: int
+    ) -> list[list[Any]]: ...
+
+
+@runtime_checkable
+class SupportsPlacePerReplica(Protocol):
+    """Places one step's components of a leaf on the replicas' devices at once (the JAX
+    backend makes one array sharded over its replica mesh); returns what ``place`` would
+    give for each. Without it core calls ``place`` per replica."""
+
+    def place_per_replica(self, values: Sequence[Any], devices: Sequence[str]) -> list[Any]: ...
+
+
+@runtime_checkable
+class SupportsStoreVariable(Protocol):
+    """Decides what a variable component stores when its value becomes ``new`` (torch
+    writes into the stored tensor, so a parameter keeps seeing the variable's storage).
+    Without it the component stores ``new``."""
+
+    def store_variable(self, stored: Any, new: Any) -> Any: ...
+
+
+@runtime_checkable
+class SupportsReductionOrder(Protocol):
+    """A backend that sums in a configurable order (the sim): ``MirroredStrategy``'s
+    ``cross_device_ops`` picks the order (``with_reduction_order``)."""
+
+    reduction_order: str
+
+    def with_reduction_order(self, reduction_order: Any) -> Backend: ...
+
+
+@runtime_checkable
+class SupportsCrossDeviceOps(Protocol):
+    """A backend that configures its collectives from a ``CrossDeviceOps`` itself."""
+
+    def with_cross_device_ops(self, ops: CrossDeviceOps) -> Backend: ...
+
+
+@runtime_checkable
+class SupportsSimulatedDevices(Protocol):
+    """A backend whose devices are simulated (the sim): any ``/gpu:K`` below
+    ``max_simulated_devices`` exists, and its traces can be priced by a cost model."""
+
+    max_simulated_devices: int
+
+
+@dataclass(frozen=True)
+class Features:
+    """The optional features of one backend, checked once (`features`)."""
+
+    cluster: bool = False
+    worker_process_engine: bool = False
+    local_tpu_system: bool = False
+    symbolic_values: bool = False
+    batch_all_reduce: bool = False
+    place_per_replica: bool = False
+    store_variable: bool = False
+    reduction_order: bool = False
+    cross_device_ops: bool = False
+    simulated_devices: bool = False
+
+    @staticmethod
+    def of(backend: object) -> Features:
+        """The features ``backend`` implements, from its type (not cached: see `features`)."""
+        return Features(
+            cluster=isinstance(backend, ClusterBackend),
+            worker_process_engine=isinstance(backend, WorkerProcessBackend),
+            local_tpu_system=isinstance(backend, SupportsLocalTPUSystem),
+            symbolic_values=isinstance(backend, SupportsSymbolicValues),
+            batch_all_reduce=isinstance(backend, SupportsBatchAllReduce),
+            place_per_replica=isinstance(backend, SupportsPlacePerReplica),
+            store_variable=isinstance(backend, SupportsStoreVariable),
+            reduction_order=isinstance(backend, SupportsReductionOrder),
+            cross_device_ops=isinstance(backend, SupportsCrossDeviceOps),
+            simulated_devices=isinstance(backend, SupportsSimulatedDevices),
+        )
+
+
+# Backends by id, with a weak reference that tells a reused id apart.
+_features: dict[int, tuple[weakref.ref[Any], Features]] = {}
+
+
+def features(backend: Backend) -> Features:
+    """The optional features of ``backend``, checked when it is first seen (when it is
+    loaded, for a backend from the registry) and frozen from then on."""
+    key = id(backend)
+    known = _features.get(key)
+    if known is not None and known[0]() is backend:
+        return known[1]
+    found = Features.of(backend)
+
+    def forget(_: weakref.ref[Any]) -> None:
+        _features.pop(key, None)
+
+    try:
+        ref = weakref.ref(backend, forget)
+    except TypeError:  # not weakly referenceable: checked on each call
+        return found
+    _features[key] = (ref, found)
+    return found
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Who a collective or a run spans, as the strategy supplies it (its group provider).
+
+    For a reduction: one process's replicas, a simulated cluster and one process
+    per worker differ here only; the reduction itself is core's ``reduce_over_group``
+    for all of them. For ``strategy.run``: what a compiled backend's
+    ``run_replicas`` gets (`SupportsCompiledRun`) and what core's
+    `EagerReplicaRunner` runs, built once per strategy (`replica_group`).
+    """
+
+    backend: Backend
+    #: Where each of this process's values is placed before the engine's SUM; for a
+    #: run, the device of each replica this process runs, in replica order.
+    devices: tuple[str, ...]
+    #: How many values the engine's SUM adds up (every worker's): MEAN's divisor. For a
+    #: run, ``num_replicas_in_sync`` (every worker's replicas).
+    size: int
+    #: What the trace records as the collective's participants; ``None``: nothing.
+    participants: tuple[str, ...] | None = None
+    #: The SUM crosses processes: announce the reduce op to the workers' agreement
+    #: check, and let a batch go to the engine together (packed).
+    across_processes: bool = False
+    #: For a run: the strategy whose replicas these are (the replicas' ``ReplicaContext``
+    #: objects and ``merge_fn``'s cross-replica context belong to it, and its variables).
+    strategy: Strategy | None = None
+    #: For a run: the id (``replica_id_in_sync_group``) of this process's first replica
+    #: among every worker's; 0 in one process.
+    replica_offset: int = 0
+    #: For a run: the strategy's ``CommunicationOptions`` (multi-worker strategies).
+    communication_options: CommunicationOptions | None = None
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Every worker's replicas (``size``)."""
+        return self.size
+
+
+def replica_group(strategy: Strategy) -> ReplicaGroup:
+    """The `ReplicaGroup` ``strategy.run`` runs: this process's replicas' devices, the
+    replica count, the first replica's id, the communication options. Built once per
+    strategy (and set of devices) and reused by every run."""
+    return strategy.extended._run_group()
+
+
+@runtime_checkable
+class SupportsCompiledRun(Protocol):
+    """How a backend with ``Capabilities.execution_model == "spmd"`` runs ``strategy.run``.
+
+    Core calls ``run_replicas`` instead of its own eager runner. The backend traces
+    ``fn`` once for all replicas, each call inside a ``ReplicaContext`` of
+    ``group.strategy`` whose channel turns collectives into compiled ones, and returns
+    each replica's result in replica order (core regroups them). ``per_replica_args[r]``
+    holds the ``(args, kwargs)`` replica ``r`` receives (the same object for every
+    replica when nothing is distributed). A backend that cannot compile a call may run it
+    with `EagerReplicaRunner` (``runner.run(group, fn, per_replica_args)``).
+    """
+
+    def run_replicas(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[Any]: ...
+
+
+@runtime_checkable
+class SupportsReplicaRunner(Protocol):
+    """An eager backend's configuration of core's runner (``execution_model == "eager"``).
+
+    Core runs the replicas with ``replica_runner`` (read at each run); a backend without
+    one gets ``EagerReplicaRunner()`` (greenlets, ``$POLYDIST_TIMEOUT_SECONDS``). A
+    backend whose engine keeps state per thread asks for ``"thread"`` mode; one whose
+    collectives need wrapping (autograd) passes ``wrap_channel``; one that needs work
+    around a whole run (carrying the caller's thread state into the replicas) subclasses
+    `EagerReplicaRunner` and extends ``run``.
+    """
+
+    @property
+    def replica_runner(self) -> EagerReplicaRunner: ...
 
 
 _lock = threading.Lock()
@@ -440,20 +693,19 @@ def get_backend(backend: str | Backend | None = None) -> Backend:
                 f"Entry point {ep.value!r} for backend {name!r} did not produce a "
                 "polydist.backend.Backend."
             )
+        features(instance)
         _instances[name] = instance
         return instance
 
 
 def local_tpu_system(backend: Backend) -> LocalTPUSystem | None:
-    """The TPU cores ``backend`` runs ``TPUStrategy`` on, from its optional
-    ``local_tpu_system()`` method; ``None`` if it has none (the sim: its TPUs are
-    simulated slices)."""
+    """The TPU cores ``backend`` runs ``TPUStrategy`` on, from `SupportsLocalTPUSystem`;
+    ``None`` if it has none (the sim: its TPUs are simulated slices)."""
     from polydist.tpu import LocalTPUSystem
 
-    method = getattr(backend, "local_tpu_system", None)
-    if method is None:
+    if not features(backend).local_tpu_system:
         return None
-    system = method()
+    system = cast(SupportsLocalTPUSystem, backend).local_tpu_system()
     if system is not None and not isinstance(system, LocalTPUSystem):
         raise TypeError(
             f"Backend {backend.name!r}: local_tpu_system() must return a "
@@ -463,12 +715,13 @@ def local_tpu_system(backend: Backend) -> LocalTPUSystem | None:
 
 
 def is_symbolic(backend: Backend, value: Any) -> bool:
-    """Whether ``value`` is a value of a program ``backend`` is compiling, from its
-    optional ``is_symbolic(value)`` method (``False`` without one). In a compiled step
-    that spans processes every worker runs the same program, so what derives from
-    shapes (a MEAN's element count) is the same on every worker."""
-    method = getattr(backend, "is_symbolic", None)
-    return bool(method(value)) if method is not None else False
+    """Whether ``value`` is a value of a program ``backend`` is compiling, from
+    `SupportsSymbolicValues` (``False`` without it). In a compiled step that spans
+    processes every worker runs the same program, so what derives from shapes (a MEAN's
+    element count) is the same on every worker."""
+    if not features(backend).symbolic_values:
+        return False
+    return bool(cast(SupportsSymbolicValues, backend).is_symbolic(value))
 
 
 def batch_all_reduce(
@@ -478,8 +731,8 @@ def batch_all_reduce(
     bytes_per_pack: int = 0,
 ) -> list[list[Any]]:
     """``backend.all_reduce(column, destinations)`` of each column (one array per
-    replica), through the backend's optional ``batch_all_reduce(columns, destinations,
-    bytes_per_pack)`` when it has one (and there are several columns).
+    replica), through `SupportsBatchAllReduce` when the backend has it (and there are
+    several columns).
 
     The batch method may pack the columns into fewer collectives, as TF packs a nest
     into one ``all_reduce`` per pack (`pack_by_size`): ``bytes_per_pack`` is
@@ -487,10 +740,10 @@ def batch_all_reduce(
     equal its own ``all_reduce``'s and be arrays of their own to the caller (a result
     may be a view into a packed buffer only if no other result aliases its memory).
     """
-    method = getattr(backend, "batch_all_reduce", None)
-    if method is None or len(columns) < 2:
+    if not features(backend).batch_all_reduce or len(columns) < 2:
         return [backend.all_reduce(column, destinations) for column in columns]
-    results: list[list[Any]] = method(columns, destinations, bytes_per_pack)
+    batched = cast(SupportsBatchAllReduce, backend)
+    results = batched.batch_all_reduce(columns, destinations, bytes_per_pack)
     if len(results) != len(columns):
         raise RuntimeError(
             f"Backend {backend.name!r}: batch_all_reduce returned {len(results)} results for "
@@ -545,6 +798,7 @@ def _reset_registry_for_tests() -> None:
     global _entry_points, _array_type_entry_points
     with _lock:
         _instances.clear()
+        _features.clear()
         _worker_processes.clear()
         _entry_points = None
         _array_type_entry_points = None

@@ -1,0 +1,205 @@
+"""Core owns the execution model: it runs an eager backend's replicas itself, and a
+compiled backend's ``run_replicas`` gets a frozen `ReplicaGroup`, not StrategyExtended."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+import polydist as pd
+from polydist.backend import (
+    Backend,
+    Capabilities,
+    EagerReplicaRunner,
+    ReplicaChannel,
+    ReplicaGroup,
+    SupportsCompiledRun,
+    SupportsReplicaRunner,
+    replica_group,
+)
+from polydist.experimental import CommunicationOptions
+from polydist_sim import SimBackend
+
+Args = Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+class EagerOnly:
+    """An eager backend of devices, placement and collectives only: no run_replicas."""
+
+    name = "eager-only"
+    version = "1.0"
+
+    def __init__(self) -> None:
+        self._sim = SimBackend()
+        self.capabilities = Capabilities(execution_model="eager")
+
+    def array_namespace(self) -> Any:
+        return np
+
+    def list_devices(self) -> tuple[str, ...]:
+        return self._sim.list_devices()
+
+    def replica_devices(self, count: int | None) -> tuple[str, ...]:
+        return self._sim.replica_devices(count)
+
+    def validate_devices(self, devices: Sequence[str]) -> None:
+        self._sim.validate_devices(devices)
+
+    def device_scope(self, device: str) -> Any:
+        return self._sim.device_scope(device)
+
+    def place(self, value: Any, device: str) -> Any:
+        return np.asarray(value)
+
+    def to_numpy(self, value: Any) -> np.ndarray:
+        return np.asarray(value)
+
+    def all_reduce(self, values: Sequence[Any], destinations: Sequence[str]) -> list[Any]:
+        return self._sim.all_reduce(values, destinations)
+
+    def reduce_to(self, values: Sequence[Any], destination: str) -> Any:
+        return self._sim.reduce_to(values, destination)
+
+    def all_gather(
+        self, values: Sequence[Any], axis: int, destinations: Sequence[str]
+    ) -> list[Any]:
+        return self._sim.all_gather(values, axis, destinations)
+
+    def broadcast(self, value: Any, destinations: Sequence[str]) -> list[Any]:
+        return self._sim.broadcast(value, destinations)
+
+
+class CountingRunner(EagerReplicaRunner):
+    """Core's runner, recording the group of each run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: list[ReplicaGroup] = []
+
+    def run(self, group: ReplicaGroup, fn: Callable[..., Any], per_replica_args: Args) -> list[Any]:
+        self.groups.append(group)
+        return super().run(group, fn, per_replica_args)
+
+
+class Compiled(SimBackend):
+    """Declares the SPMD model; its run_replicas records what it gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.capabilities = dataclasses.replace(self.capabilities, execution_model="spmd")
+        self.name = "compiled"
+        self.received: list[Any] = []
+
+    def run_replicas(self, group: ReplicaGroup, fn: Callable[..., Any], args: Args) -> list[Any]:
+        self.received.append(group)
+        return EagerReplicaRunner().run(group, fn, args)  # a compiled backend's fallback
+
+
+def _sum_of_ids() -> Any:
+    ctx = pd.get_replica_context()
+    assert ctx is not None
+    return ctx.all_reduce("SUM", ctx.replica_id_in_sync_group)
+
+
+def test_core_runs_an_eager_backend_without_run_replicas() -> None:
+    backend = EagerOnly()
+    assert isinstance(backend, Backend) and not isinstance(backend, SupportsCompiledRun)
+    strategy = pd.MirroredStrategy(3, backend=backend)
+    out = strategy.run(_sum_of_ids)
+    assert [int(v) for v in strategy.experimental_local_results(out)] == [3, 3, 3]
+
+
+def test_an_eager_backend_configures_the_runner() -> None:
+    backend = SimBackend()
+    runner = CountingRunner()
+    backend.replica_runner = runner
+    assert isinstance(backend, SupportsReplicaRunner)
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    strategy.run(_sum_of_ids)
+    strategy.run(_sum_of_ids)
+    assert len(runner.groups) == 2
+    assert runner.groups[0] is runner.groups[1]  # built once per strategy, not per run
+    assert runner.groups[0] is replica_group(strategy)
+
+
+def test_a_compiled_backend_gets_the_replica_group() -> None:
+    backend = Compiled()
+    strategy = pd.MirroredStrategy(4, backend=backend)
+    out = strategy.run(_sum_of_ids)
+    assert [int(v) for v in strategy.experimental_local_results(out)] == [6] * 4
+    strategy.run(_sum_of_ids)
+    first, second = backend.received
+    assert isinstance(first, ReplicaGroup) and first is second
+    assert first.strategy is strategy and first.backend is backend
+    assert first.devices == strategy.extended.worker_devices
+    assert first.num_replicas_in_sync == first.size == 4
+    assert first.replica_offset == 0 and not first.across_processes
+    assert first.communication_options is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.size = 2  # type: ignore[misc]
+
+
+def test_a_compiled_backend_without_run_replicas_is_a_clear_error() -> None:
+    backend = EagerOnly()
+    backend.capabilities = Capabilities(execution_model="spmd")
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    with pytest.raises(TypeError, match=r"execution_model='spmd' but has no run_replicas"):
+        strategy.run(_sum_of_ids)
+
+
+def test_a_simulated_cluster_runs_every_workers_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tf_config = {
+        "cluster": {"worker": ["w0:1", "w1:1"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    backend = SimBackend(num_gpus=2)
+    runner = CountingRunner()
+    backend.replica_runner = runner
+    options = CommunicationOptions(timeout_seconds=30)
+    strategy = pd.MultiWorkerMirroredStrategy(backend=backend, communication_options=options)
+    out = strategy.run(_sum_of_ids)
+    assert [int(v) for v in strategy.experimental_local_results(out)] == [6, 6]
+    [group] = runner.groups
+    assert group.size == 4 and group.replica_offset == 0
+    assert [d.split("/")[1] for d in group.devices] == ["job:worker"] * 4
+    assert [d.split("/")[3] for d in group.devices] == ["task:0"] * 2 + ["task:1"] * 2
+    assert group.communication_options is options
+    assert strategy.extended.worker_devices == group.devices[2:]  # this worker's
+
+
+def test_the_runner_names_each_replica_by_its_id_among_all_workers() -> None:
+    seen: list[int] = []
+
+    def channel(inner: ReplicaChannel, replica: int) -> ReplicaChannel:
+        seen.append(replica)
+        return inner
+
+    strategy = pd.MirroredStrategy(2)
+    group = dataclasses.replace(replica_group(strategy), replica_offset=4)
+    runner = EagerReplicaRunner("thread", wrap_channel=channel)
+    assert runner.run(group, lambda: 1, [((), {})] * 2) == [1, 1]
+    assert sorted(seen) == [4, 5]  # worker 2's replicas of 2 are replicas 4 and 5
+
+
+def test_a_reduction_group_cannot_run() -> None:
+    group = ReplicaGroup(SimBackend(), ("/cpu:0",), 1)
+    with pytest.raises(ValueError, match="needs the ReplicaGroup of a run"):
+        EagerReplicaRunner().run(group, lambda: 1, [((), {})])
+
+
+def test_a_copied_strategy_has_its_own_group() -> None:
+    strategy = pd.MirroredStrategy(2)
+    group = replica_group(strategy)
+    copied = copy.deepcopy(strategy)
+    assert replica_group(copied).strategy is copied
+    assert replica_group(copied).backend is group.backend  # the engine is shared
+    assert replica_group(strategy) is group
