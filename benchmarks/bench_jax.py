@@ -463,11 +463,13 @@ def main() -> int:
         if platform == "cpu"
         else f"{n} x {devices[0].device_kind} ({platform})"
     )
+    # Memory first: a child forked from a large parent starts with the parent's RSS
+    # in its ru_maxrss (after the MLP and Keras, both children read the parent's peak).
+    mem = memory(args.memory_mb)
     step = mlp(devices, args.rounds)
     trivial_runs = {"1": trivial(devices[:1], args.trivial_repeats)}
     if n > 1:
         trivial_runs[str(n)] = trivial(devices, args.trivial_repeats)
-    mem = memory(args.memory_mb)
 
     one = f"1 x {devices[0].device_kind} ({platform})" if platform != "cpu" else "1 x CPU"
     ratios: list[dict[str, Any]] = []

@@ -104,7 +104,7 @@ def test_a_shared_input_is_placed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     replicate = _spmd._Mesh.replicate
 
     def counting(self: Any, value: Any) -> Any:
-        if np.shape(value) == (3,):  # not the runner's own flag (a scalar)
+        if np.shape(value) == (3,):
             calls.append(value)
         return replicate(self, value)
 
@@ -176,3 +176,224 @@ def test_divergence_is_hashed_in_one_step_of_check_every(monkeypatch: pytest.Mon
     at_once = _spmd.CHECK_AT_ONCE
     hashed = [i for i, f in enumerate(flags) if f]
     assert hashed == [*range(at_once), _spmd.CHECK_EVERY]
+
+
+def test_the_step_program_holds_no_divergence_hash() -> None:
+    # The divergence check hashes the copies in a program of its own, in the calls that
+    # check: the step itself is the same program with or without it (no branch on a flag,
+    # no extra output).
+    strategy, backend = make()
+    with strategy.scope():
+        v = pd.Variable(np.zeros(4, np.float32))
+
+    def step() -> Any:
+        v.assign(v.value() + 1, read_value=False)
+        return v.value() * 2
+
+    text = backend.lower(strategy, step).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert "ui32" not in main, main  # no fingerprint among the outputs
+    strategy.run(step)
+    assert [c.numpy().tolist() for c in v.values] == [[1.0] * 4] * N
+
+
+# --------------------------------------------------------------------------- the plan
+# After its first call, a replica function's next call reuses what that call worked out
+# (`_spmd._Plan`): each test below changes one thing the plan depends on and checks the
+# result is the one a fresh preparation gives.
+
+
+def count_classify(backend: JaxBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    classify = backend._compiled._classify
+
+    def spy(columns: Any, *args: Any) -> Any:
+        calls.append(len(columns))
+        return classify(columns, *args)
+
+    monkeypatch.setattr(backend._compiled, "_classify", spy)
+    return calls
+
+
+def per_replica(values: list[Any]) -> Any:
+    return pd.PerReplica([jax.device_put(v, d) for v, d in zip(values, jax.devices()[:N])])
+
+
+def test_same_inputs_are_not_classified_or_placed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    strategy, backend = make()
+    calls = count_classify(backend, monkeypatch)
+    x = per_replica([jnp.full(2, float(r)) for r in range(N)])
+    shared = jnp.arange(2.0)
+
+    def add(a: Any, b: Any) -> Any:
+        return a + b
+
+    first = strategy.run(add, (x, shared))
+    assert calls == [2]
+    placed: list[Any] = []
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: placed.append(a))
+    for _ in range(3):
+        last = strategy.run(add, (x, shared))
+    assert calls == [2] and placed == []
+    for r in range(N):
+        assert first.values[r].tolist() == last.values[r].tolist() == [r + 0.0, r + 1.0]
+
+
+def test_a_new_input_object_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    strategy, backend = make()
+    calls = count_classify(backend, monkeypatch)
+
+    def add(a: Any, b: Any) -> Any:
+        return a + b
+
+    shared = jnp.arange(2.0)
+    for k in range(3):  # a new batch each step: that column alone is classified again
+        x = per_replica([jnp.full(2, float(10 * k + r)) for r in range(N)])
+        out = strategy.run(add, (x, shared))
+        assert [v.tolist() for v in out.values] == [
+            [10.0 * k + r, 10.0 * k + r + 1] for r in range(N)
+        ]
+    assert calls == [2, 1, 1] and backend.compile_count == 1
+    other = jnp.arange(2.0) + 5  # a new shared array
+    out = strategy.run(add, (x, other))
+    assert out.values[0].tolist() == [25.0, 26.0]
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        jnp.arange(3.0),  # another shape
+        jnp.arange(2, dtype=jnp.int32),  # another dtype
+        np.arange(2.0, dtype=np.float32) + 7,  # NumPy: placed anew
+    ],
+    ids=["shape", "dtype", "numpy"],
+)
+def test_another_shape_or_dtype_is_traced_anew(second: Any) -> None:
+    strategy, _ = make()
+
+    def twice(a: Any) -> Any:
+        return a * 2
+
+    strategy.run(twice, (jnp.arange(2.0),))
+    out = strategy.run(twice, (second,))
+    assert out.values[N - 1].tolist() == (np.asarray(second) * 2).tolist()
+    assert out.values[0].dtype == (second * 2).dtype
+
+
+def test_numpy_input_changed_in_place_is_read_again() -> None:
+    strategy, _ = make()
+    host = np.ones(2, np.float32)
+
+    def twice(a: Any) -> Any:
+        return a * 2
+
+    assert strategy.run(twice, (host,)).values[0].tolist() == [2.0, 2.0]
+    host[:] = 5
+    assert strategy.run(twice, (host,)).values[0].tolist() == [10.0, 10.0]
+
+
+def test_a_changed_python_scalar_is_a_new_static_value() -> None:
+    strategy, backend = make()
+
+    def scale(a: Any, k: Any) -> Any:
+        return a * k
+
+    x = jnp.ones(2)
+    assert strategy.run(scale, (x, 2.0)).values[0].tolist() == [2.0, 2.0]
+    assert strategy.run(scale, (x, 3.0)).values[0].tolist() == [3.0, 3.0]
+    assert strategy.run(scale, (x, 3)).values[0].tolist() == [3.0, 3.0]
+    assert backend.compile_count == 3  # 2.0, 3.0 and the int 3 trace differently
+
+
+def test_another_nest_structure_is_traced_anew() -> None:
+    strategy, _ = make()
+
+    def total(a: Any) -> Any:
+        return sum(a) if isinstance(a, tuple) else a + 0
+
+    x = jnp.ones(2)
+    assert strategy.run(total, (x,)).values[0].tolist() == [1.0, 1.0]
+    assert strategy.run(total, ((x, x, x),)).values[0].tolist() == [3.0, 3.0]
+
+
+def test_a_variable_created_after_the_first_step_is_an_input() -> None:
+    strategy, _ = make()
+    with strategy.scope():
+        found = [pd.Variable(np.ones(2, np.float32))]
+
+    def total() -> Any:
+        return sum(v.value() for v in found)
+
+    assert strategy.run(total).values[0].tolist() == [1.0, 1.0]
+    with strategy.scope():
+        found.append(pd.Variable(np.full(2, 10, np.float32)))
+    # The same fn, the same (empty) inputs: a new variable makes the plan stale.
+    assert strategy.run(total).values[0].tolist() == [11.0, 11.0]
+
+
+def test_a_variable_gone_since_the_last_step_is_no_input() -> None:
+    strategy, _ = make()
+    with strategy.scope():
+        v = pd.Variable(np.ones(2, np.float32))
+        gone = pd.Variable(np.zeros(2, np.float32))
+    step = add_one(v)
+    strategy.run(step)
+    del gone
+    import gc
+
+    gc.collect()
+    strategy.run(step)
+    assert [c.numpy().tolist() for c in v.values] == [[3.0, 3.0]] * N
+
+
+def test_a_variable_assigned_outside_run_is_read_anew() -> None:
+    strategy, _ = make()
+    with strategy.scope():
+        v = pd.Variable(np.ones(2, np.float32))
+
+    def read() -> Any:
+        return v.value() * 2
+
+    strategy.run(read)
+    v.assign(np.full(2, 4, np.float32))
+    assert [x.tolist() for x in strategy.run(read).values] == [[8.0, 8.0]] * N
+
+
+@pytest.mark.parametrize("n", [1, N])
+def test_results_are_the_bits_of_a_fresh_preparation(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same training steps, with and without reusing the plan: the same bits.
+    def train(reuse: bool) -> list[np.ndarray]:
+        strategy, backend = make(n)
+        if not reuse:
+            monkeypatch.setattr(backend._compiled, "_reuse", lambda *a: None)
+        rng = np.random.default_rng(0)
+        with strategy.scope():
+            w = pd.Variable(rng.normal(size=(3, 2)).astype(np.float32))
+
+        def step(x: Any) -> Any:
+            ctx = pd.get_replica_context()
+            assert ctx is not None
+            loss, grad = jax.value_and_grad(lambda w_: jnp.sum((x @ w_) ** 2))(w.value())
+            w.assign_sub(0.01 * ctx.all_reduce("MEAN", grad), read_value=False)
+            return loss
+
+        batches = [rng.normal(size=(n, 4, 3)).astype(np.float32) for _ in range(3)]
+        # Prebuilt inputs: each step's is new, then the same objects come again.
+        xs = [
+            pd.PerReplica([jnp.asarray(b) for b in batch]) if n > 1 else jnp.asarray(batch[0])
+            for batch in batches
+        ]
+        values = []
+        for k in range(6):
+            out = strategy.run(step, (xs[k % 3],))
+            values += [np.asarray(v) for v in strategy.experimental_local_results(out)]
+        values += [c.numpy() for c in w.values] if n > 1 else [w.numpy()]
+        return values
+
+    fast, fresh = train(True), train(False)
+    assert len(fast) == len(fresh)
+    for a, b in zip(fast, fresh, strict=True):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()

@@ -87,14 +87,13 @@ def all_reduce_sum(x: Any) -> Any:
 
 
 def record_run_inputs(backend: JaxBackend, monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
-    """Every compiled call's input arrays, as the program receives them (without the
-    last, the runner's divergence-check flag)."""
+    """Every compiled call's input arrays, as the program receives them."""
     calls: list[list[Any]] = []
     prepare = backend._compiled._prepare
 
     def spy(*args: Any) -> Any:
         prepared = prepare(*args)
-        calls.append(list(prepared[1][:-1]))
+        calls.append(list(prepared[1]))
         return prepared
 
     monkeypatch.setattr(backend._compiled, "_prepare", spy)

@@ -137,12 +137,13 @@ def _joinable(values: Sequence[Any], devices: tuple[str, ...]) -> bool:
 def register(components: list[Any], array: jax.Array, split: NamedSharding) -> None:
     key = id(components[0])
 
-    def drop(ref: weakref.ref[Any]) -> None:
+    def drop(ref: weakref.ref[Any], table: dict[int, _Joined] = _JOINED) -> None:
         # Only this step's entry (the id may since name a newer component). The
         # callback holds the key, not the entry: no cycle keeps the buffers alive.
-        entry = _JOINED.get(key)
+        # (The table is bound now: at interpreter exit the module's globals are gone.)
+        entry = table.get(key)
         if entry is not None and any(r is ref for r in entry.refs):
-            _JOINED.pop(key, None)
+            table.pop(key, None)
 
     first = components[0]
     aval: Aval = (tuple(first.shape), (np.dtype(first.dtype), bool(first.weak_type)))

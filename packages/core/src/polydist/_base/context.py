@@ -157,6 +157,12 @@ def push_mode(mode: _Mode) -> None:
     _stack.set((*_stack.get(), mode))
 
 
+def push_cross_replica_mode(strategy: Strategy) -> None:
+    """Enters ``strategy``'s cross-replica context, as its ``scope()`` does (undo with
+    `pop_mode`)."""
+    push_mode(_Mode(strategy, None, strategy))
+
+
 def pop_mode() -> None:
     _stack.set(_stack.get()[:-1])
 

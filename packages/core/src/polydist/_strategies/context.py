@@ -20,6 +20,7 @@ from polydist._base.context import in_cross_replica_context as in_cross_replica_
 from polydist._base.context import is_default_mode as is_default_mode
 from polydist._base.context import mode as mode
 from polydist._base.context import pop_mode as pop_mode
+from polydist._base.context import push_cross_replica_mode as push_cross_replica_mode
 from polydist._base.context import push_mode as push_mode
 from polydist._base.context import (
     require_cross_replica_or_default_context as require_cross_replica_or_default_context,

@@ -458,8 +458,20 @@ class Strategy:
             )
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"kwargs to Strategy.run must be a dict, got {type(kwargs).__name__}.")
-        with self.scope():
+        cls = type(self)
+        if cls.scope is not Strategy.scope or cls._scope_impl is not Strategy._scope_impl:
+            with self.scope():
+                return self._extended.call_for_each_replica(fn, args, kwargs)
+        # `_scope_impl` inlined (run is the per-step path: two generator context managers
+        # cost a few microseconds): the same checks, the same mode.
+        if _context.has_strategy():
+            _context.require_cross_replica_or_default_context(self)
             return self._extended.call_for_each_replica(fn, args, kwargs)
+        _context.push_cross_replica_mode(self)
+        try:
+            return self._extended.call_for_each_replica(fn, args, kwargs)
+        finally:
+            _context.pop_mode()
 
     def experimental_run_v2(
         self,

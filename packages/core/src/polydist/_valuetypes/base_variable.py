@@ -61,10 +61,11 @@ from polydist._valuetypes.variable_basics import (
 class _ExtendedState:
     """What polydist remembers about one strategy's variables."""
 
-    __slots__ = ("dirty", "variables")
+    __slots__ = ("dirty", "variables", "version")
 
     def __init__(self) -> None:
         self.variables: list[weakref.ref[Variable]] = []
+        self.version = 0  # bumped by each variable tracked (`tracking_state`)
         # NONE-aggregated MirroredVariables written in replica context during the
         # current run: checked for divergence when the run ends.
         # (MirroredVariables: their class is defined above this module.)
@@ -81,6 +82,19 @@ def _state(extended: StrategyExtended) -> _ExtendedState:
     if state is None:
         state = _STATES[extended] = _ExtendedState()
     return state
+
+
+def _track(extended: StrategyExtended, variable: Variable) -> None:
+    state = _state(extended)
+    state.variables.append(weakref.ref(variable))
+    state.version += 1
+
+
+def tracking_state(extended: StrategyExtended) -> _ExtendedState:
+    """``extended``'s bookkeeping, whose ``version`` changes whenever its strategy tracks
+    a new variable (a backend's cache of `tracked_variables` checks it; deaths it sees
+    itself). The same object for the strategy's lifetime."""
+    return _state(extended)
 
 
 def tracked_variables(extended: StrategyExtended) -> list[Variable]:

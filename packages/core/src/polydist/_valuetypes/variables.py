@@ -109,6 +109,7 @@ from polydist._valuetypes.base_variable import (
     _initial_array,
     _merge_create,
     _state,
+    _track,
     _VariableMethod,
 )
 from polydist._valuetypes.base_variable import Variable as Variable
@@ -118,6 +119,7 @@ from polydist._valuetypes.base_variable import _read_operand as _read_operand
 from polydist._valuetypes.base_variable import storage_arrays as storage_arrays
 from polydist._valuetypes.base_variable import swap_storage as swap_storage
 from polydist._valuetypes.base_variable import tracked_variables as tracked_variables
+from polydist._valuetypes.base_variable import tracking_state as tracking_state
 from polydist._valuetypes.variable_basics import (
     _COLOCATE_WITH,
     _TRACED_REPLICA,
@@ -346,7 +348,7 @@ class DistributedVariable(DistributedValues, Variable):
         with _enter_strategy(strategy):
             components = [c.__deepcopy__(memo) for c in self._values]
         new = type(self)(strategy, components, self._aggregation)
-        _state(strategy.extended).variables.append(weakref.ref(new))
+        _track(strategy.extended, new)
         memo[id(self)] = new
         return new
 
@@ -616,7 +618,7 @@ def create_variable(
             aggregation=aggregation,
             strategy=strategy,
         )
-        _state(extended).variables.append(weakref.ref(var))
+        _track(extended, var)
         return var
     if synchronization is VariableSynchronization.NONE:
         raise ValueError(
@@ -665,7 +667,7 @@ def create_variable(
         else MirroredVariable
     )
     var = cls(strategy, components, aggregation)
-    _state(extended).variables.append(weakref.ref(var))
+    _track(extended, var)
     return var
 
 

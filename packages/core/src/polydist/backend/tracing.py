@@ -15,6 +15,10 @@ A backend that traces the replica function once for all replicas (``jax.jit`` wi
   (:func:`note_replica_write`, :func:`replica_writes`), which core checks for
   divergence after the run.
 
+:func:`tracked_variables` lists the variables a strategy created; the ``version`` of
+its :func:`tracking_state` changes whenever one is created (a backend caching that
+list per step checks it).
+
 :func:`declare_internal_modules` names a backend's own packages, whose frames a
 trace's call site (:func:`user_source_line`) looks past.
 """
@@ -35,6 +39,7 @@ from polydist._valuetypes.variables import storage_arrays as storage_arrays
 from polydist._valuetypes.variables import swap_storage as swap_storage
 from polydist._valuetypes.variables import traced_replica_scope as traced_replica_scope
 from polydist._valuetypes.variables import tracked_variables as tracked_variables
+from polydist._valuetypes.variables import tracking_state as tracking_state
 
 __all__ = [
     "CollectiveEvent",
@@ -52,5 +57,6 @@ __all__ = [
     "swap_storage",
     "traced_replica_scope",
     "tracked_variables",
+    "tracking_state",
     "user_source_line",
 ]
