@@ -9,6 +9,7 @@ from jax import lax
 
 import polydist as pd
 from polydist import Mirrored, Strategy
+from polydist.backend.context import replica_channel
 from polydist_jax._devices import jax_device
 from polydist_jax._lazy import AXIS, is_tracer, is_varying
 from polydist_jax._spmd import SpmdChannel
@@ -19,7 +20,7 @@ __all__ = ["AXIS", "in_compiled_run", "replicate", "varying"]
 def in_compiled_run() -> bool:
     """True inside a replica function that the jax backend is tracing for compilation."""
     ctx = pd.get_replica_context()
-    return ctx is not None and isinstance(ctx._channel, SpmdChannel)
+    return ctx is not None and isinstance(replica_channel(ctx), SpmdChannel)
 
 
 def varying(tree: Any) -> Any:

@@ -24,6 +24,7 @@ import numpy as np
 from polydist import ReduceOp, get_replica_context
 from polydist.backend import ReplicaChannel
 from polydist.backend import nest as _nest
+from polydist.backend.context import replica_index
 from polydist_jax._lazy import is_tracer
 
 __all__ = ["DifferentiableChannel", "MovedArrays"]
@@ -137,13 +138,14 @@ class DifferentiableChannel:
     ) -> Any:
         result = self._inner.merge_call(merge_fn, args, kwargs)
         ctx = get_replica_context()
-        if ctx is None or ctx._replica_index is None:
+        index = None if ctx is None else replica_index(ctx)
+        if ctx is None or index is None:
             return result
         # merge_fn's arrays may live on another device (strategy.reduce's result is on
         # the host): as TF copies across devices, this replica gets them on its own.
-        extended = ctx._strategy.extended
-        device = extended.worker_devices[ctx._replica_index]
-        backend = extended._backend
+        extended = ctx.strategy.extended
+        device = extended.worker_devices[index]
+        backend = extended.backend
         moved = self._moved
 
         def place(x: Any) -> Any:

@@ -52,8 +52,9 @@ from jax import lax
 from polydist import Variable
 from polydist.backend import nest as _nest
 from polydist.backend import tracing as _tracing
+from polydist.backend.context import container_strategy
 from polydist.backend.tracing import storage_arrays, swap_storage, tracked_variables
-from polydist.backend.values import DistributedVariable
+from polydist.backend.values import DistributedVariable, variable_backend
 from polydist_jax._lazy import AXIS, LazyPerReplica, is_tracer, is_varying, varies_locally, vary
 
 __all__ = [
@@ -79,13 +80,13 @@ _CREATED_TRACED = (
 
 def is_jax_variable(x: object) -> bool:
     """A ``polydist.Variable`` (plain or distributed) that holds jax arrays."""
-    return isinstance(x, Variable) and getattr(x._backend, "name", None) == "jax"
+    return isinstance(x, Variable) and getattr(variable_backend(x), "name", None) == "jax"
 
 
 def owner(extended: Any) -> Any:
     """The strategy's own ``StrategyExtended`` (a runner view, e.g. a simulated
     multi-worker strategy's, is another object with the same state)."""
-    return extended._container_strategy().extended
+    return container_strategy(extended).extended
 
 
 def collect(
@@ -101,7 +102,7 @@ def collect(
     found: list[Variable] = []
     seen: set[int] = set()
     for v in tracked_variables(owner(extended)):
-        if isinstance(v, DistributedVariable) and len(v._values) == n:
+        if isinstance(v, DistributedVariable) and len(v.values) == n:
             found.append(v)
             seen.add(id(v))
     captured = []
@@ -116,9 +117,9 @@ def collect(
             continue
         if not is_jax_variable(x):
             raise NotImplementedError(
-                f"fn uses {x!r}, a plain variable of the {x._backend.name!r} backend, which a "
-                "compiled jax run cannot read. Create it under the strategy's scope (or with "
-                "the jax backend), or pass its value as an array."
+                f"fn uses {x!r}, a plain variable of the {variable_backend(x).name!r} "
+                "backend, which a compiled jax run cannot read. Create it under the strategy's "
+                "scope (or with the jax backend), or pass its value as an array."
             )
         found.append(x)
         seen.add(id(x))

@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import polydist as pd
 from polydist.backend import context as _context
+from polydist.backend.context import replica_index
 from polydist.backend.tracing import swap_storage
 from polydist_torch._backend import TorchBackend, _GradMode
 from polydist_torch._storage import mark_variable_storage
@@ -70,8 +71,8 @@ def _strategy_for(strategy: pd.Strategy | None, what: str) -> pd.Strategy:
         strategy = pd.get_strategy()
     elif not isinstance(strategy, pd.Strategy):
         raise TypeError(f"{what}: strategy must be a polydist Strategy, got {strategy!r}.")
-    if not isinstance(strategy.extended._backend, TorchBackend):
-        backend = strategy.extended._backend
+    if not isinstance(strategy.extended.backend, TorchBackend):
+        backend = strategy.extended.backend
         raise TypeError(
             f"{what} works with strategies of the torch backend (backend='torch'); "
             f"{strategy!r} runs on {getattr(backend, 'name', backend)!r}."
@@ -99,7 +100,7 @@ def _replica_index(strategy: pd.Strategy, what: str) -> int | None:
             f"{what} belongs to {strategy!r} but is used inside a run of {mode.strategy!r}; "
             "use it with the strategy it was distributed with."
         )
-    index = ctx._replica_index
+    index = replica_index(ctx)
     if index is None:
         raise NotImplementedError(
             f"{what} needs a replica with a Python index (the eager torch backend); a compiled "

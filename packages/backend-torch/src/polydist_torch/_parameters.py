@@ -30,6 +30,7 @@ import torch
 import polydist as pd
 from polydist.backend import nest as _nest
 from polydist.backend.tracing import swap_storage, tracked_variables
+from polydist.backend.values import variable_backend
 from polydist_torch._backend import TorchBackend
 from polydist_torch._storage import mark_variable_storage
 
@@ -82,7 +83,7 @@ def parameters(variables: Any) -> list[list[torch.nn.Parameter]]:
             f"they cannot be listed per replica: {shown}. Ask for them separately."
         )
     for v in chosen:
-        backend = v._backend
+        backend = variable_backend(v)
         if not isinstance(backend, TorchBackend):
             raise TypeError(
                 f"polydist_torch.parameters: variable {v.name!r} belongs to backend "

@@ -11,16 +11,45 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from polydist._strategies.context import current_mode as current_mode
 from polydist._strategies.context import current_replica_index as current_replica_index
 from polydist._strategies.context import mode as _mode
 
 if TYPE_CHECKING:
-    from polydist._strategies.strategy import Strategy
+    from polydist._base import context as _base_context
+    from polydist._strategies.replica_context import ReplicaContext
+    from polydist._strategies.strategy import Strategy, StrategyExtended
+    from polydist.backend._contract import ReplicaChannel
 
-__all__ = ["cross_replica_scope", "current_mode", "current_replica_index"]
+__all__ = [
+    "container_strategy",
+    "cross_replica_scope",
+    "current_mode",
+    "current_replica_index",
+    "replica_channel",
+    "replica_index",
+]
+
+
+def replica_index(ctx: ReplicaContext | _base_context.ReplicaContext) -> int | None:
+    """The index, among this process's replicas, of the replica ``ctx`` runs; ``None``
+    in a context traced once for every replica (SPMD), which has no Python index."""
+    return cast("ReplicaContext", ctx)._replica_index
+
+
+def replica_channel(ctx: ReplicaContext | _base_context.ReplicaContext) -> ReplicaChannel | None:
+    """The channel ``ctx``'s collectives go through; ``None`` for a strategy of one
+    replica, whose collectives need no channel."""
+    return cast("ReplicaContext", ctx)._channel
+
+
+def container_strategy(extended: StrategyExtended | Any) -> Strategy:
+    """The strategy that owns ``extended`` (a runner's view of a strategy, such as a
+    simulated worker's, is another ``StrategyExtended`` with the same strategy)."""
+    strategy: Strategy = extended._container_strategy()
+    return strategy
 
 
 @contextmanager

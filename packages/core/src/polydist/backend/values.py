@@ -5,7 +5,7 @@ one value per replica; :func:`select_replica` picks replica ``r``'s value out of
 nest of them, :func:`regroup` combines one nest per replica into one nest of
 distributed values (what a backend that runs its own replicas hands ``merge_fn``), and
 :func:`value_container` returns the distributed value a component belongs to (or the
-value itself).
+value itself). :func:`variable_backend` names the backend a variable's arrays belong to.
 """
 
 from polydist._valuetypes.values import DistributedValues as DistributedValues
@@ -18,6 +18,13 @@ from polydist._valuetypes.variables import DistributedVariable as DistributedVar
 from polydist._valuetypes.variables import MirroredVariable as MirroredVariable
 from polydist._valuetypes.variables import SyncOnReadVariable as SyncOnReadVariable
 from polydist._valuetypes.variables import Variable as Variable
+from polydist.backend._contract import Backend
+
+
+def variable_backend(variable: Variable) -> Backend:
+    """The backend whose arrays ``variable`` (plain or distributed) stores."""
+    return variable._backend
+
 
 __all__ = [
     "DistributedValues",
@@ -30,4 +37,5 @@ __all__ = [
     "regroup",
     "select_replica",
     "value_container",
+    "variable_backend",
 ]
