@@ -60,12 +60,25 @@ DOCS_TEST = [
 PY = "3.11"
 
 
+# Where import-linter finds the packages: it reads their source without importing them
+# (or their dependencies), so no package needs to be installed.
+SOURCE_DIRS = [
+    "packages/core/src",
+    "packages/sim/src",
+    "packages/backend-jax/src",
+    "packages/backend-torch/src",
+    "conformance/src",
+]
+
+
 @nox.session(python=PY)
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree."""
-    session.install("ruff>=0.6")
+    """ruff check and ruff format --check over the whole tree; import-linter's contracts
+    (pyproject.toml: backends import only polydist and polydist.backend.*)."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(SOURCE_DIRS)})
 
 
 @nox.session(python=PY)

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 import polydist as pd
-from polydist._base.arrays import is_array
+from polydist.backend.arrays import is_array
 from polydist_conformance.tolerance import Reduction, _finfo, within_bound
 
 __all__ = ["Distributed", "Leaf", "Reduced", "compare", "observe", "plain", "reduced"]

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist._distributed import launch as _launch
+from polydist.backend import launch as _launch
 from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver
 from polydist_conformance import multiprocess
 from polydist_conformance.tolerance import Reduction, within_bound

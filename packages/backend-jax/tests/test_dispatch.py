@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist._valuetypes.variables import storage_arrays
+from polydist.backend.tracing import storage_arrays
 from polydist_jax import JaxBackend, _input, _spmd
 
 N = 4

@@ -216,7 +216,7 @@ def test_distributed_values_stay_leaves_although_jax_sees_inside() -> None:
     )
     assert isinstance(value["x"], pd.PerReplica)
     assert len(jax.tree.leaves(value)) == 2  # JAX opens PerReplica ...
-    from polydist._valuetypes import nest as _nest
+    from polydist.backend import nest as _nest
 
     leaves, _ = _nest.flatten(value)
     assert leaves == [value["x"]]  # ... polydist does not

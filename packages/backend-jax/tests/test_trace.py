@@ -8,7 +8,7 @@ import numpy as np
 from jax_testutil import distribute
 
 import polydist as pd
-from polydist._collectives.trace import Trace
+from polydist.backend.tracing import Trace
 from polydist_jax import JaxBackend
 from polydist_sim import SimBackend
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polydist._distributed import launch as _launch
+from polydist.backend import launch as _launch
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX process groups")
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist._distributed import launch as _launch
+from polydist.backend import launch as _launch
 from polydist_conformance import multiprocess
 from polydist_conformance import multiprocess_tests as mpt
 from polydist_sim import SimBackend

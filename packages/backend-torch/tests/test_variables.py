@@ -532,7 +532,7 @@ def test_plain_storage_is_replaced_like_the_sims() -> None:
 
 def test_swap_storage_swaps_parameters_without_copying() -> None:
     # swap_storage (the functionalization hook) swaps, never copies in place.
-    from polydist._valuetypes.variables import swap_storage
+    from polydist.backend.tracing import swap_storage
 
     s = strategy_for("torch")
     with s.scope():

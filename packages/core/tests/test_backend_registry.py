@@ -199,3 +199,130 @@ def test_pack_by_dtype_packs_each_dtype_in_order_of_first_appearance() -> None:
     assert pack_by_dtype([], [], 0) == []
     with pytest.raises(ValueError, match="got 2 dtypes and 1 sizes; pass one of each"):
         pack_by_dtype(["f4", "f4"], [4], 0)
+
+
+# -- optional features: checked once, never probed by name --------------------------------
+
+_OPTIONAL_METHODS = (
+    "batch_all_reduce",
+    "place_per_replica",
+    "store_variable",
+    "with_reduction_order",
+    "with_cross_device_ops",
+    "local_tpu_system",
+    "is_symbolic",
+)
+
+
+def test_features_of_the_sim_are_frozen_and_cached() -> None:
+    import dataclasses
+
+    from polydist.backend import Features, features
+
+    sim = get_backend("sim")
+    found = features(sim)
+    assert found is features(sim)
+    assert found == Features(
+        cluster=True, reduction_order=True, simulated_devices=True, replica_runner=True
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found.batch_all_reduce = True  # type: ignore[misc]
+    assert features(_Batching()).batch_all_reduce and not features(_Summing()).batch_all_reduce
+
+
+def test_core_checks_optional_features_once_not_per_call() -> None:
+    from polydist_sim import SimBackend
+
+    asked: list[str] = []
+
+    class Watched(SimBackend):
+        def __getattribute__(self, name: str) -> Any:
+            if name in _OPTIONAL_METHODS:
+                asked.append(name)
+            return super().__getattribute__(name)
+
+    strategy = pd.MirroredStrategy(2, backend=Watched())
+    with strategy.scope():
+        v = pd.Variable(1.0)
+
+    def step() -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce(pd.ReduceOp.SUM, (np.float32(1.0), np.float32(2.0)))
+
+    def steps() -> Any:
+        a, b = strategy.run(step)
+        v.assign(2.0)
+        strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(2))
+        return a, b
+
+    steps()
+    checked = list(asked)  # the backend's features, checked when it was first used
+    for _ in range(3):
+        a, b = steps()
+    assert float(strategy.experimental_local_results(a)[0]) == 2.0
+    assert float(strategy.experimental_local_results(b)[1]) == 4.0
+    assert float(v.numpy()) == 2.0
+    assert asked == checked, f"optional methods probed again: {asked[len(checked) :]}"
+
+
+def test_local_tpu_system_reads_the_feature() -> None:
+    from polydist.backend import local_tpu_system
+    from polydist.tpu import LocalTPUSystem
+    from polydist_sim import SimBackend
+
+    assert local_tpu_system(SimBackend()) is None
+
+    class Wrong(SimBackend):
+        def local_tpu_system(self) -> LocalTPUSystem:
+            return "not a system"  # type: ignore[return-value]
+
+    with pytest.raises(TypeError, match="must return a polydist.tpu.LocalTPUSystem"):
+        local_tpu_system(Wrong())
+
+
+def test_tracing_kit_tells_variable_creation_and_replica_writes() -> None:
+    from polydist.backend.eager import EagerReplicaRunner
+    from polydist.backend.tracing import is_variable_creation, replica_writes
+    from polydist_sim import SimBackend
+
+    seen: list[bool] = []
+
+    class Watching:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def all_reduce(self, reduce_op: Any, values: Any) -> Any:
+            return self.inner.all_reduce(reduce_op, values)
+
+        def all_gather(self, values: Any, axis: int) -> Any:
+            return self.inner.all_gather(values, axis)
+
+        def merge_call(self, merge_fn: Any, args: Any, kwargs: Any) -> Any:
+            seen.append(is_variable_creation(merge_fn))
+            return self.inner.merge_call(merge_fn, args, kwargs)
+
+    backend = SimBackend()
+    backend.replica_runner = EagerReplicaRunner(
+        wrap_channel=lambda channel, index: Watching(channel)
+    )
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    with strategy.scope():
+        kept = pd.Variable(0.0, aggregation=pd.VariableAggregation.NONE)
+
+    def step() -> None:
+        pd.Variable(1.0)  # created once, in a merge_call
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        ctx.merge_call(lambda s: None)
+        kept.assign(1.0)  # a NONE-aggregated write in replica context
+
+    written: list[tuple[int, ...]] = []
+
+    def step_and_look() -> None:
+        step()
+        written.append(replica_writes(strategy.extended))
+
+    strategy.run(step_and_look)
+    assert seen == [True, True, False, False]
+    assert written[-1] == (id(kept),)

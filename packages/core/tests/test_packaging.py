@@ -45,3 +45,60 @@ def test_each_package_ships_the_root_license(folder: str) -> None:
     assert classifiers == sorted(classifiers)
     requires = project["build-system"]["requires"]
     assert requires == ["hatchling>=1.27"]  # the first hatchling with PEP 639 license-files
+
+
+# -- the backend seam: backends import only polydist and polydist.backend.* ---------------
+
+# import-linter checks the packages themselves (pyproject.toml, `nox -s lint`); their tests
+# and the examples are no importable packages, so grimp cannot see them: checked here.
+_USES_ONLY_PUBLIC_NAMES = (
+    "packages/sim",
+    "packages/backend-jax",
+    "packages/backend-torch",
+    "conformance/src",
+    "examples",
+)
+
+
+def _private_polydist_imports(path: Path, root: Path = ROOT) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "polydist" and any(p.startswith("_") for p in parts[1:]):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {name}")
+    return found
+
+
+def test_backends_tests_and_examples_import_no_private_polydist_module() -> None:
+    found = [
+        hit
+        for folder in _USES_ONLY_PUBLIC_NAMES
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for hit in _private_polydist_imports(path)
+    ]
+    assert not found, (
+        "These import private polydist modules; use polydist or polydist.backend.* "
+        "(docs/extending.md):\n" + "\n".join(found)
+    )
+
+
+def test_the_private_import_check_sees_private_modules(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import polydist.backend.tracing\nfrom polydist import _sim\n"
+        "from polydist.backend._contract import Backend\nfrom polydist import Variable\n",
+        encoding="utf-8",
+    )
+    assert _private_polydist_imports(module, tmp_path) == [
+        "m.py:2: polydist._sim",
+        "m.py:3: polydist.backend._contract.Backend",
+    ]

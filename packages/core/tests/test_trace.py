@@ -16,6 +16,7 @@ from polydist._collectives.trace import (
     CollectiveEvent,
     Trace,
     begin_step,
+    declare_internal_modules,
     is_tracing,
     record_collective,
     trace,
@@ -244,10 +245,14 @@ def _inner(nbytes):
 
 
 def test_source_skips_backend_package_frames() -> None:
-    # A module whose __name__ lives in polydist_sim: its frames are internal.
+    # A backend's package is internal once the backend declares it so.
     fake = _fake_module(
-        "polydist_sim._fake_backend", "/nowhere/_fake_backend.py", _FAKE_BACKEND_SRC
+        "fake_backend_pkg._fake_backend", "/nowhere/_fake_backend.py", _FAKE_BACKEND_SRC
     )
+    with trace() as before:
+        fake.all_reduce(8)
+    assert before.events[0].source == "_fake_backend.py:8 in _inner"
+    declare_internal_modules("fake_backend_pkg")
     with trace() as t:
         line = sys._getframe().f_lineno + 1
         fake.all_reduce(8)
@@ -255,8 +260,14 @@ def test_source_skips_backend_package_frames() -> None:
     assert e.source == f"test_trace.py:{line} in test_source_skips_backend_package_frames"
 
 
+def test_declare_internal_modules_takes_top_level_names() -> None:
+    with pytest.raises(ValueError, match="top-level package names"):
+        declare_internal_modules("fake_backend_pkg.sub")
+
+
 def test_source_skips_threading_frames_but_finds_user_function_in_thread() -> None:
-    fake = _fake_module("polydist_jax._fake_backend", "/nowhere/_fake_jax.py", _FAKE_BACKEND_SRC)
+    declare_internal_modules("fake_jax_pkg")
+    fake = _fake_module("fake_jax_pkg._fake_backend", "/nowhere/_fake_jax.py", _FAKE_BACKEND_SRC)
     lines: list[int] = []
 
     def replica_fn() -> None:
@@ -544,3 +555,31 @@ def test_summary_singular_and_large_units() -> None:
     first, _, _, row = t.summary().splitlines()
     assert first == "polydist trace: 1 collective in 1 step, 5.00 GiB per participant"
     assert row.endswith("5.00 GiB             2  x.py:1 in f  1.250 s          -")
+
+
+def _record_bytes(nbytes: int) -> None:
+    record_collective(
+        "all_reduce",
+        reduce_op="SUM",
+        dtype="float32",
+        nbytes=nbytes,
+        shape=(1,),
+        participants=("/sim:0", "/sim:1"),
+        backend="sim",
+    )
+
+
+def test_capture_collectives_takes_the_events_from_the_users_traces() -> None:
+    from polydist.backend.tracing import capture_collectives
+
+    with trace() as user:
+        _record_bytes(4)
+        with capture_collectives() as captured:
+            _record_bytes(8)
+            with trace() as opened_inside:  # opened during the capture: stays open after
+                _record_bytes(12)
+        _record_bytes(16)
+    assert [e.nbytes for e in captured.events] == [8, 12]
+    assert [e.nbytes for e in user.events] == [4, 16]
+    assert [e.nbytes for e in opened_inside.events] == [12]
+    assert not is_tracing()

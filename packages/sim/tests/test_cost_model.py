@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polydist._collectives.trace import CollectiveEvent
+from polydist.backend.tracing import CollectiveEvent
 from polydist_sim import cost_model
 from polydist_sim.cost_model import (
     OPS,
@@ -427,10 +427,10 @@ def test_step_times_sums_per_step() -> None:
 
 
 def test_module_does_not_import_trace_types() -> None:
-    # Duck typing: the cost model never names polydist._collectives.trace.
+    # Duck typing: the cost model never names polydist's trace module.
     src = pathlib.Path(cost_model.__file__).read_text(encoding="utf-8")
-    assert "polydist._collectives.trace" not in src.replace(
-        "``polydist._collectives.trace.CollectiveEvent``", ""
+    assert "polydist.backend.tracing" not in src.replace(
+        "``polydist.backend.tracing.CollectiveEvent``", ""
     )
 
 

@@ -8,12 +8,12 @@ import numpy as np
 
 import polydist as pd
 import polydist_sim
-from polydist import _sim
+from polydist.backend import sim as core_sim
 
 
 def test_names_are_cores_objects() -> None:
     for name in polydist_sim.__all__:
-        assert getattr(polydist_sim, name) is getattr(_sim, name), name
+        assert getattr(polydist_sim, name) is getattr(core_sim, name), name
     assert pd.get_backend("sim").__class__ is polydist_sim.SimBackend
 
 

@@ -23,7 +23,7 @@ import pytest
 
 import polydist as pd
 from polydist import checkpoint
-from polydist._valuetypes import nest as _nest
+from polydist.backend import nest as _nest
 from polydist_conformance import Conformance
 from polydist_conformance.cases._helpers import replica_context
 

@@ -9,6 +9,7 @@ configured :class:`JaxBackend`::
 ``jax.jit`` over ``jax.shard_map`` on a one-axis ``"replica"`` mesh.
 """
 
+from polydist.backend.tracing import declare_internal_modules as _declare_internal_modules
 from polydist_jax._api import AXIS as AXIS
 from polydist_jax._api import in_compiled_run as in_compiled_run
 from polydist_jax._api import replicate as replicate
@@ -22,6 +23,9 @@ from polydist_jax._multi_worker import MultiWorkerMirroredStrategy as MultiWorke
 from polydist_jax._multi_worker import initialize as initialize_multi_worker
 from polydist_jax._pytree import register as _register_pytrees
 from polydist_jax._pytree import register_tree_system as _register_tree_system
+
+# A trace's call site is the user's line, not this backend's.
+_declare_internal_modules("polydist_jax")
 
 _register_pytrees()
 _register_tree_system()

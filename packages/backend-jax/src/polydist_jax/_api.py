@@ -7,8 +7,8 @@ from typing import Any
 import jax
 from jax import lax
 
+import polydist as pd
 from polydist import Mirrored, Strategy
-from polydist._strategies import context as _context
 from polydist_jax._devices import jax_device
 from polydist_jax._lazy import AXIS, is_tracer, is_varying
 from polydist_jax._spmd import SpmdChannel
@@ -18,7 +18,7 @@ __all__ = ["AXIS", "in_compiled_run", "replicate", "varying"]
 
 def in_compiled_run() -> bool:
     """True inside a replica function that the jax backend is tracing for compilation."""
-    ctx = _context.get_replica_context()
+    ctx = pd.get_replica_context()
     return ctx is not None and isinstance(ctx._channel, SpmdChannel)
 
 

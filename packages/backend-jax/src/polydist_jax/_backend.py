@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import jax
 import numpy as np
 
-from polydist._valuetypes import variables as _variables
-from polydist._valuetypes.values import select_replica
 from polydist.backend import Capabilities, EagerReplicaRunner, ReplicaChannel, replica_group
+from polydist.backend.tracing import current_update_replica
+from polydist.backend.values import select_replica
 from polydist_jax import _collectives, _devices, _functional, _input, _namespace, _tpu
 from polydist_jax._eager_grad import DifferentiableChannel, MovedArrays
 from polydist_jax._lazy import is_tracer
@@ -184,7 +184,7 @@ class JaxBackend:
         """`device_scope` once the backend has found the JAX device."""
         scope: AbstractContextManager[Any] = jax.default_device(device)
         traced = _functional.active()
-        replica = _variables._UPDATE_REPLICA.get()
+        replica = current_update_replica()
         if traced is None or replica is None:
             return scope
         # Core updates replica `replica`'s copies (StrategyExtended.update, update_non_slot)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import jax
 
-from polydist._base.devices import DeviceSpec
+from polydist.backend.devices import DeviceSpec
 
 __all__ = ["device_string", "jax_device", "platform_devices", "validate"]
 

@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polydist._base.reduce_op import ReduceOp
-from polydist._strategies.context import get_replica_context
-from polydist._valuetypes import nest as _nest
-from polydist.backend._contract import ReplicaChannel
+from polydist import ReduceOp, get_replica_context
+from polydist.backend import ReplicaChannel
+from polydist.backend import nest as _nest
 from polydist_jax._lazy import is_tracer
 
 __all__ = ["DifferentiableChannel", "MovedArrays"]

@@ -7,7 +7,7 @@ per-device copies as an input sharded over the replica mesh, so every
 replica gets its own copy, and returns the new copy of each variable it
 wrote. While ``fn`` is traced, each copy's storage (core's
 ``_read_storage``/``_write_storage`` hook, reached through
-``polydist._valuetypes.variables.swap_storage``) holds traced values, and core's
+``polydist.backend.tracing.swap_storage``) holds traced values, and core's
 variable code runs unchanged on them; afterwards the concrete arrays are put
 back (also when tracing fails), and the program's outputs replace the copies
 that were written.
@@ -49,15 +49,11 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from polydist._valuetypes import nest as _nest
-from polydist._valuetypes import variables as _variables
-from polydist._valuetypes.variables import (
-    DistributedVariable,
-    Variable,
-    storage_arrays,
-    swap_storage,
-    tracked_variables,
-)
+from polydist import Variable
+from polydist.backend import nest as _nest
+from polydist.backend import tracing as _tracing
+from polydist.backend.tracing import storage_arrays, swap_storage, tracked_variables
+from polydist.backend.values import DistributedVariable
 from polydist_jax._lazy import AXIS, LazyPerReplica, is_tracer, is_varying, varies_locally, vary
 
 __all__ = [
@@ -351,8 +347,7 @@ class TracedVariables:
     def tracing(self, extended: Any) -> Iterator[TracedVariables]:
         """Shows the traced copies while ``fn`` is traced; always restores the arrays."""
         extended = self._extended = owner(extended)
-        state = _variables._state(extended)
-        self._dirty_before = set(state.dirty)
+        self._dirty_before = set(_tracing.replica_writes(extended))
         tracked = tracked_variables(extended)
         self._known = {id(v) for v in tracked}
         mine = {id(s.var) for s in self._slots}
@@ -364,7 +359,7 @@ class TracedVariables:
             for s in self._slots:
                 s.show_own(s.entry)
             with (
-                _variables.traced_replica_scope(COMPONENT, self.update_results),
+                _tracing.traced_replica_scope(COMPONENT, self.update_results),
                 ExitStack() as hooks,
             ):
                 for hook in trace_hooks:
@@ -387,9 +382,9 @@ class TracedVariables:
     def outputs(self) -> list[tuple[int, Any]]:
         """(position, new copy) of every variable ``fn`` wrote; call at the end of ``fn``."""
         extended = self._extended
-        state = _variables._state(extended)
         positions = {id(s.var): i for i, s in enumerate(self._slots)}
-        self.dirty = [positions[k] for k in state.dirty if k not in self._dirty_before]
+        written = _tracing.replica_writes(extended)
+        self.dirty = [positions[k] for k in written if k not in self._dirty_before]
         out: list[tuple[int, Any]] = []
         self.final = [s.own_now() for s in self._slots]
         for i, s in enumerate(self._slots):

@@ -1,6 +1,6 @@
 """Distributed input on the jax backend: each step's batch as one sharded ``jax.Array``.
 
-Core's input pipeline (``polydist._input.input_lib``) hands the backend all the
+Core's input pipeline (``polydist.experimental_distribute_dataset``) hands the backend all the
 replicas' components of one leaf of a step at once, through the backend's
 optional ``place_per_replica(values, devices)``. When the components have one
 shape and dtype (rank >= 1) and go to distinct devices, they become **one**
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
-from polydist._valuetypes.values import DistributedValues
+from polydist.backend.values import DistributedValues
 from polydist_jax._collectives import on_device
 from polydist_jax._lazy import is_tracer
 

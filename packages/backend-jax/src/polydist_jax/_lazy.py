@@ -24,7 +24,7 @@ import jax
 from jax import lax
 
 from polydist import PerReplica
-from polydist._base.arrays import describe
+from polydist.backend.arrays import describe
 
 __all__ = [
     "AXIS",

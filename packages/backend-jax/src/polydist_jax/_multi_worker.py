@@ -33,12 +33,12 @@ Bounds and faults (``CommunicationOptions.timeout_seconds``, default 60 s):
 * Before each cross-process collective (each compiled step counts as one,
   ``strategy.run``) every worker publishes its signature through the
   coordination service and compares the others'
-  (``polydist._collectives.check``): workers that disagree all raise
+  (``polydist.backend.multiprocess``): workers that disagree all raise
   ``CollectiveMismatchError`` before issuing it.
 
 * A collective that raises (gloo notices a dead peer's closed connection at
   once) becomes ``UnavailableError`` / ``DeadlineExceededError`` naming the
-  workers whose heartbeats stopped (see `polydist._distributed.multi_process.Heartbeat`;
+  workers whose heartbeats stopped (see `polydist.backend.multiprocess.Heartbeat`;
   the heartbeats go through JAX's coordination service, hosted by worker 0).
 * A collective (or a compiled step, compiled before the bound starts) that
   does not return within the timeout cannot be interrupted (XLA blocks in
@@ -82,15 +82,18 @@ from jax.sharding import Mesh, NamedSharding
 
 import polydist as pd
 from polydist import errors
-from polydist._base.communication import CommunicationOptions
-from polydist._base.devices import DeviceSpec
-from polydist._collectives import trace as _trace
-from polydist._collectives.check import Pending
-from polydist._distributed import multi_process as mp
-from polydist._distributed.cluster import id_in_cluster, worker_count
-from polydist._distributed.multi_process import DEFAULT_TIMEOUT_SECONDS
 from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
+from polydist.backend import multiprocess as mp
+from polydist.backend import tracing as _trace
+from polydist.backend.devices import DeviceSpec
+from polydist.backend.multiprocess import (
+    DEFAULT_TIMEOUT_SECONDS,
+    Pending,
+    id_in_cluster,
+    worker_count,
+)
 from polydist.cluster_resolver import ClusterResolver
+from polydist.experimental import CommunicationOptions
 from polydist_jax._backend import JaxBackend
 from polydist_jax._lazy import WORKERS, find_lazy, is_tracer, replica_axes, replica_axis
 from polydist_jax._spmd import CompiledRunner, _Mesh

@@ -46,22 +46,15 @@ from jax import lax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from polydist._base import communication as _communication
-from polydist._base.arrays import convert_to_array, describe, dtype_name
-from polydist._base.reduce_op import ReduceOp
-from polydist._collectives import trace as _trace
-from polydist._strategies import context as _context
-from polydist._strategies.replica_context import ReplicaContext
-from polydist._valuetypes import nest as _nest
-from polydist._valuetypes import variables as _variables
-from polydist._valuetypes.values import DistributedValues, value_container
-from polydist._valuetypes.variables import (
-    DistributedVariable,
-    Variable,
-    storage_arrays,
-    swap_storage,
-)
+from polydist import ReduceOp, ReplicaContext, Variable
+from polydist.backend import collectives as _communication
+from polydist.backend import context as _context
+from polydist.backend import nest as _nest
 from polydist.backend import pack_by_dtype
+from polydist.backend import tracing as _trace
+from polydist.backend.arrays import convert_to_array, describe, dtype_name
+from polydist.backend.tracing import storage_arrays, swap_storage
+from polydist.backend.values import DistributedValues, DistributedVariable, value_container
 from polydist_jax import _functional, _input
 from polydist_jax._devices import jax_device
 from polydist_jax._functional import TracedVariables, pick_local
@@ -459,16 +452,8 @@ def _capture_collectives() -> Iterator[_trace.Trace]:
     Trace instead of the user's (a trace is global; other threads recording
     during a compile would land here too, which only costs them those events).
     """
-    capture = _trace.Trace()
-    with _trace._registry_lock:
-        saved = _trace._active
-        _trace._active = (capture,)
-    try:
+    with _trace.capture_collectives() as capture:
         yield capture
-    finally:
-        with _trace._registry_lock:
-            opened_meanwhile = tuple(t for t in _trace._active if t is not capture)
-            _trace._active = saved + tuple(t for t in opened_meanwhile if t not in saved)
 
 
 def _replay(events: Sequence[_trace.CollectiveEvent]) -> None:
@@ -639,7 +624,7 @@ class SpmdChannel:
         # into the program), as on eager backends.
         creating = (
             jax.ensure_compile_time_eval()
-            if merge_fn is _variables._merge_create
+            if _trace.is_variable_creation(merge_fn)
             else contextlib.nullcontext()
         )
         views = (
@@ -647,7 +632,7 @@ class SpmdChannel:
             if self._variables is not None
             else contextlib.nullcontext()
         )
-        with _context.mode(strategy, None, strategy), views, creating:
+        with _context.cross_replica_scope(strategy), views, creating:
             result = merge_fn(strategy, *merge_args, **merge_kwargs)
 
         def select(x: Any) -> Any:
@@ -1443,7 +1428,7 @@ class CompiledRunner:
                 elif out.kind == "variable":
                     leaves.append(variables[out.index])
                 elif out.kind == "component":
-                    leaves.append(_variables._components(variables[out.index])[r])
+                    leaves.append(_trace.components(variables[out.index])[r])
                 elif out.kind == "empty":
                     shape, dtype = out.obj
                     empty = np.zeros(shape, dtype)
@@ -1513,7 +1498,7 @@ def _mark_diverged(dirty: list[Variable], found: Any, mesh: _Mesh) -> None:
     columns = rows.reshape(rows.shape[0], len(dirty), -1)
     for j, var in enumerate(dirty):
         if not (columns[:, j] == columns[0, j]).all():
-            _variables._note_replica_write(var)  # type: ignore[arg-type]
+            _trace.note_replica_write(var)  # type: ignore[arg-type]
 
 
 def _copy(x: Any) -> Any:

@@ -67,8 +67,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 import polydist as pd
-from polydist._strategies import context as _context
-from polydist._valuetypes.variables import Variable as _PdVariable
+from polydist import Variable as _PdVariable
 from polydist_jax import _functional
 
 __all__ = ["distribute", "is_distributed", "variables"]
@@ -312,7 +311,7 @@ def _bind(var: Any, name: str) -> None:
     """Replaces ``var``'s value by polydist variables (in the current strategy scope)."""
     binding = _binding(var)
     if binding is not None:
-        strategy = _context.get_strategy()
+        strategy = pd.get_strategy()
         other = [v for v in binding.variables() if v.distribute_strategy is not strategy]
         if other:
             raise ValueError(
@@ -356,15 +355,15 @@ def _bind(var: Any, name: str) -> None:
 
 def _strategy_scope(strategy: pd.Strategy | None) -> Any:
     if strategy is None:
-        if not _context.has_strategy():
+        if not pd.has_strategy():
             raise ValueError(
                 "polydist_jax.nnx.distribute needs a strategy: call it under "
                 "`with strategy.scope():`, or pass strategy=."
             )
-        strategy = _context.get_strategy()
+        strategy = pd.get_strategy()
         scope: Any = ExitStack()
-    elif _context.has_strategy():
-        current = _context.get_strategy()
+    elif pd.has_strategy():
+        current = pd.get_strategy()
         if current is not strategy:
             raise ValueError(
                 f"polydist_jax.nnx.distribute(strategy={strategy!r}) was called under the scope "
@@ -379,7 +378,7 @@ def _strategy_scope(strategy: pd.Strategy | None) -> Any:
             f"polydist_jax.nnx.distribute needs a strategy on the jax backend, got {strategy!r} "
             f"on {getattr(backend, 'name', backend)!r}. Create it with backend='jax'."
         )
-    if _context.has_strategy() and _context.get_replica_context() is not None:
+    if pd.has_strategy() and pd.get_replica_context() is not None:
         raise RuntimeError(
             "polydist_jax.nnx.distribute was called inside strategy.run; call it once, before "
             "the training loop, under strategy.scope()."

@@ -20,6 +20,7 @@ backend ``"torch_xla"`` (``pip install 'polydist-torch[xla]'``).
 
 from typing import TYPE_CHECKING, Any
 
+from polydist.backend.tracing import declare_internal_modules as _declare_internal_modules
 from polydist_torch._autograd import TorchReplicaChannel as TorchReplicaChannel
 from polydist_torch._backend import Reduction as Reduction
 from polydist_torch._backend import TorchBackend as TorchBackend
@@ -35,6 +36,10 @@ from polydist_torch._multi_worker import TorchWorkerProcesses as TorchWorkerProc
 from polydist_torch._multi_worker import shutdown as shutdown_multi_worker
 from polydist_torch._parameters import parameters as parameters
 from polydist_torch._pytree import register_tree_system as _register_tree_system
+
+# Collectives (and, on torch, their gradients inside autograd) run in these packages:
+# a trace's call site is the user's line beyond them.
+_declare_internal_modules("polydist_torch", "torch", "torch_xla")
 
 if TYPE_CHECKING:
     from polydist_torch._xla import UNSUPPORTED as XLA_UNSUPPORTED

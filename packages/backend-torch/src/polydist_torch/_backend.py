@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from polydist._base.devices import DeviceSpec
 from polydist.backend import Capabilities, EagerReplicaRunner, default_timeout
+from polydist.backend.devices import DeviceSpec
 from polydist_torch import _collectives, _low_precision
 from polydist_torch._autograd import TorchReplicaChannel
 from polydist_torch._devices import (
@@ -195,7 +195,7 @@ class TorchBackend:
 
     def store_variable(self, stored: Any, new: Any) -> Any:
         """What a variable component stores when its value becomes ``new`` (core's
-        optional storage hook, see ``polydist._valuetypes.variables``).
+        ``polydist.backend.SupportsStoreVariable``).
 
         Stored values never carry autograd history (an assignment is not
         differentiable, as in TF). A component whose storage is a

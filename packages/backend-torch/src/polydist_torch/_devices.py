@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from polydist._base.devices import DeviceSpec
+from polydist.backend.devices import DeviceSpec
 
 __all__ = [
     "MAX_VIRTUAL_CPU_REPLICAS",

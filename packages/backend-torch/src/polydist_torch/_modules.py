@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 import polydist as pd
-from polydist._strategies import context as _context
-from polydist._valuetypes.variables import swap_storage
+from polydist.backend import context as _context
+from polydist.backend.tracing import swap_storage
 from polydist_torch._backend import TorchBackend
 
 __all__ = [

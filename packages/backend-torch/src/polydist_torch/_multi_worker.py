@@ -43,7 +43,7 @@ Bounds and faults (``CommunicationOptions.timeout_seconds``, default
 
 Agreement: before each collective every worker publishes its signature (op,
 reduce op, dtype, shape, call site) to the store and compares the others'
-(``polydist._collectives.check``); workers that disagree all raise
+(``polydist.backend.multiprocess``); workers that disagree all raise
 ``CollectiveMismatchError`` before issuing it (unchecked, gloo would hang,
 abort the process or return wrong values). ``POLYDIST_CHECK_COLLECTIVES=0``
 turns this off; a process group the program initialized itself is not
@@ -73,17 +73,17 @@ from torch.torch_version import TorchVersion
 
 import polydist as pd
 from polydist import errors
-from polydist._base.communication import CommunicationOptions
-from polydist._base.devices import DeviceSpec
-from polydist._collectives.check import PeerMissing
-from polydist._distributed import multi_process as mp
-from polydist._distributed.multi_process import (
+from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
+from polydist.backend import multiprocess as mp
+from polydist.backend.devices import DeviceSpec
+from polydist.backend.multiprocess import (
     DEFAULT_TIMEOUT_SECONDS,
     HEARTBEAT_SECONDS,
+    PeerMissing,
     describe_workers,
 )
-from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
 from polydist.cluster_resolver import ClusterResolver
+from polydist.experimental import CommunicationOptions
 from polydist_torch._backend import Reduction, TorchBackend, _tensors
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS, cuda_device_count, torch_device
 from polydist_torch._host_all_reduce import CACHE_MIN_BYTES, ResultCache

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 import polydist as pd
-from polydist._valuetypes import nest as _nest
-from polydist._valuetypes.variables import swap_storage, tracked_variables
+from polydist.backend import nest as _nest
+from polydist.backend.tracing import swap_storage, tracked_variables
 from polydist_torch._backend import TorchBackend
 
 __all__ = ["parameters"]

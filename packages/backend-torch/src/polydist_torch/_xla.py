@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from polydist import ReduceOp, ReplicaContext
-from polydist._base.devices import DeviceSpec
-from polydist._valuetypes.nest import flatten, unflatten
 from polydist.backend import Capabilities
+from polydist.backend.devices import DeviceSpec
+from polydist.backend.nest import flatten, unflatten
 from polydist.tpu import LocalTPUSystem
 from polydist_torch import _low_precision
 from polydist_torch._backend import _host_copy

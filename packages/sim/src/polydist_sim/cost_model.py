@@ -35,7 +35,7 @@ parameter sources and the limits of the model.
 
 ``predict_trace``/``step_times``/``sizing_report`` take any objects with
 attributes ``op``, ``nbytes``, ``step`` and ``participants`` (e.g.
-``polydist._collectives.trace.CollectiveEvent``) without importing them.
+``polydist.backend.tracing.CollectiveEvent``) without importing them.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ _INT32 = np.iinfo(np.int32)
 
 
 def is_array(x: object) -> bool:
+    """Whether ``x`` is an array of some library (it has a shape and a dtype; NumPy
+    scalars are not)."""
     return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.generic)
 
 

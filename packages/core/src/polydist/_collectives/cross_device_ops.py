@@ -44,7 +44,7 @@ import contextvars
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -64,7 +64,14 @@ from polydist._strategies import context as _context
 from polydist._valuetypes import indexed_slices as _indexed_slices
 from polydist._valuetypes.values import DistributedValues, Mirrored, PerReplica, regroup
 from polydist._valuetypes.variables import Variable, _read_operand, read_for_reduce
-from polydist.backend._contract import Backend, ReplicaGroup, batch_all_reduce
+from polydist.backend._contract import (
+    Backend,
+    ReplicaGroup,
+    SupportsCrossDeviceOps,
+    SupportsReductionOrder,
+    batch_all_reduce,
+    features,
+)
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -140,23 +147,27 @@ def _derive(backend: Any, key: str, make: Callable[[Any], Any]) -> Any:
 
 def backend_with_order(backend: Backend, order: str | None) -> Backend:
     """``backend`` reconfigured to sum in ``order`` (sim), unless the user configured it."""
-    if order is None or not hasattr(backend, "with_reduction_order"):
+    if order is None or not features(backend).reduction_order:
         return backend
-    return _derive(backend, f"order:{order}", lambda b: b.with_reduction_order(order))  # type: ignore[no-any-return]
+    return _derive(  # type: ignore[no-any-return]
+        backend,
+        f"order:{order}",
+        lambda b: cast(SupportsReductionOrder, b).with_reduction_order(order),
+    )
 
 
 def backend_for(backend: Backend, ops: CrossDeviceOps | None) -> Backend:
     """The backend a ``MirroredStrategy`` with ``cross_device_ops=ops`` runs on."""
     if ops is None:
         return backend
-    if hasattr(backend, "with_cross_device_ops"):
+    if features(backend).cross_device_ops:
         base = _configurable_base(backend)
         if base is None:
             return backend
-        derived = base.with_cross_device_ops(ops)
+        derived = cast(SupportsCrossDeviceOps, base).with_cross_device_ops(ops)
         if derived is not base:
             _BASE_OF[derived] = base
-        return derived  # type: ignore[no-any-return]
+        return derived
     return backend_with_order(backend, ops._all_reduce_order)
 
 

@@ -38,28 +38,46 @@ __all__ = [
     "CollectiveEvent",
     "Trace",
     "begin_step",
+    "capture_collectives",
+    "declare_internal_modules",
     "is_tracing",
     "record_collective",
     "trace",
     "user_source_line",
 ]
 
+_registry_lock = threading.Lock()
+
 #: Top-level modules whose frames are never reported as "the user's call site".
+#: Backends add their own packages with `declare_internal_modules`.
 DEFAULT_SKIP_PACKAGES: tuple[str, ...] = (
     "polydist",
-    "polydist_sim",
-    "polydist_jax",
-    "polydist_torch",
-    # A collective's gradient runs inside torch's autograd frames; the user's
-    # line is the loss.backward() call beyond them.
-    "torch",
-    "torch_xla",
     "threading",
     "contextlib",
     # Strategy.gather maps over nests with optree: its frames sit between the
     # user's call and the collective.
     "optree",
 )
+
+# Packages that backends declared their own internals (`declare_internal_modules`).
+_declared_internal: tuple[str, ...] = ()
+
+
+def declare_internal_modules(*packages: str) -> None:
+    """Declares ``packages`` (top-level names, e.g. ``"polydist_jax"``, ``"torch"``) internal
+    to a backend: `user_source_line` looks past their frames for the user's call site."""
+    global _declared_internal
+    for name in packages:
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(
+                f"declare_internal_modules takes top-level package names such as "
+                f"'polydist_jax', got {name!r}."
+            )
+    with _registry_lock:
+        _declared_internal = _declared_internal + tuple(
+            n for n in dict.fromkeys(packages) if n not in _declared_internal
+        )
+
 
 #: Modules inside a skipped package that play the user's role: their frames
 #: are reported as call sites (``polydist demo`` traces its own training loop).
@@ -404,7 +422,6 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 
 # --------------------------------------------------------------------------- recording API
 
-_registry_lock = threading.Lock()
 # Copy-on-write tuple of active traces: readers need no lock.
 _active: tuple[Trace, ...] = ()
 
@@ -434,6 +451,27 @@ def trace(topology: Any = None, *, algorithm: str = "auto") -> Iterator[Trace]:
             _active = tuple(x for x in _active if x is not t)
         if t._topology is not None:
             t.fill_predicted_times()
+
+
+@contextlib.contextmanager
+def capture_collectives() -> Iterator[Trace]:
+    """Records the collectives of this block into a new `Trace` of its own, instead of
+    the user's traces (a compiling backend replays them on every call of the program).
+
+    Traces are global: other threads recording meanwhile land here too, which only costs
+    them those events. A trace the user opens during the block stays open after it.
+    """
+    global _active
+    capture = Trace()
+    with _registry_lock:
+        saved = _active
+        _active = (capture,)
+    try:
+        yield capture
+    finally:
+        with _registry_lock:
+            opened_meanwhile = tuple(t for t in _active if t is not capture)
+            _active = saved + tuple(t for t in opened_meanwhile if t not in saved)
 
 
 def _cost_model() -> Any:
@@ -541,15 +579,18 @@ def _is_skipped(frame: FrameType, skip: frozenset[str], locations: tuple[str, ..
 
 
 def user_source_line(
-    skip_packages: Iterable[str] = DEFAULT_SKIP_PACKAGES, *, frame: FrameType | None = None
+    skip_packages: Iterable[str] | None = None, *, frame: FrameType | None = None
 ) -> str:
-    """``"file.py:LINE in func"`` of the innermost caller outside ``skip_packages``.
+    """``"file.py:LINE in func"`` of the innermost caller outside ``skip_packages``
+    (``None``: `DEFAULT_SKIP_PACKAGES` and the packages backends declared internal).
 
     Walks the stack outward from the caller and returns the first frame whose
     module (by ``__name__``'s top-level package, or by file location) is not
     one of ``skip_packages``. Returns ``"<unknown>"`` if every frame is skipped.
     ``frame`` starts the walk somewhere else (e.g. a paused replica's frame).
     """
+    if skip_packages is None:
+        skip_packages = DEFAULT_SKIP_PACKAGES + _declared_internal
     skip = frozenset(skip_packages)
     locations = _skip_locations(skip)
     if frame is None:

@@ -17,11 +17,12 @@ do the cross-process collectives itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from polydist._base.devices import DeviceSpec
 from polydist._strategies import context as _context
 from polydist._strategies.replica_context import ReplicaContext
+from polydist.backend._contract import ClusterBackend
 from polydist.cluster_resolver import ClusterSpec
 
 if TYPE_CHECKING:
@@ -123,26 +124,6 @@ def id_in_cluster(cluster_spec: Any, task_type: str | None, task_id: int) -> int
 # -- the backend seam ---------------------------------------------------------------------
 
 
-class ClusterBackend(Protocol):
-    """What a backend declaring ``Capabilities.multi_worker`` or ``.tpu`` implements too."""
-
-    name: str
-
-    def connect_cluster(
-        self, worker_devices: Sequence[Sequence[str]], worker_index: int
-    ) -> tuple[int, ...]:
-        """Makes the devices of every worker (or TPU host) usable.
-
-        ``worker_devices[w]`` are worker ``w``'s devices, canonical TF strings
-        such as ``/job:worker/replica:0/task:1/device:GPU:0``; this process is
-        worker ``worker_index``. Returns the (sorted) indices of the workers
-        whose replicas this process runs: every worker on a simulator,
-        ``(worker_index,)`` on an engine with one process per worker. Raises
-        ``ValueError`` naming a device the backend cannot use.
-        """
-        ...
-
-
 def connect_cluster(
     backend: Backend, worker_devices: Sequence[Sequence[str]], worker_index: int, *, what: str
 ) -> tuple[int, ...]:
@@ -157,7 +138,7 @@ def connect_cluster(
             "Capabilities.tpu, so it can only use this machine's devices. Simulate the cluster "
             "on the simulator instead (backend='sim')."
         )
-    local = cast("ClusterBackend", backend).connect_cluster(worker_devices, worker_index)
+    local = cast(ClusterBackend, backend).connect_cluster(worker_devices, worker_index)
     if worker_index not in local:
         raise RuntimeError(
             f"Backend {backend.name!r} runs workers {local} in this process, which does not "

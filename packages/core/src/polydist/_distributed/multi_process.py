@@ -48,7 +48,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -84,6 +84,7 @@ from polydist.backend._contract import (
     Backend,
     Capabilities,
     ClusterToJoin,
+    WorkerProcessBackend,
     is_symbolic,
 )
 from polydist.cluster_resolver import (
@@ -130,23 +131,6 @@ def collective_timeout(options: CommunicationOptions | None) -> float:
     if seconds is None:
         return DEFAULT_TIMEOUT_SECONDS
     return NO_TIMEOUT_SECONDS if seconds == 0 else float(seconds)
-
-
-@runtime_checkable
-class WorkerProcessBackend(Protocol):
-    """The engine half of ``MultiWorkerMirroredStrategy`` with one process per worker
-    (what `polydist.backend.SupportsWorkerProcesses.worker_process_engine` returns),
-    besides ``Backend`` and ``ClusterBackend.connect_cluster`` (which returns
-    ``(worker_index,)``)."""
-
-    def local_device_count(self, requested: int | None) -> tuple[str, int] | None:
-        """This worker's replica device type and count for ``local_devices=requested``;
-        ``None`` (only when ``requested`` is None) applies TF's rule."""
-        ...
-
-    def broadcast_from_chief(self, value: Any, device: str) -> Any:
-        """Worker 0's ``value`` (an array), on ``device`` of every worker (a collective)."""
-        ...
 
 
 def task_names(spec: ClusterSpec, task_type: str | None, task_id: int | None) -> list[str]:
@@ -466,7 +450,7 @@ def _engine(backend: Backend) -> WorkerProcessBackend:
         raise TypeError(
             f"Backend {backend.name!r} ({type(backend).__name__}) does not run one process per "
             "worker: a MultiWorkerMirroredStrategy on it needs a backend implementing "
-            "polydist._distributed.multi_process.WorkerProcessBackend (local_device_count, "
+            "polydist.backend.WorkerProcessBackend (local_device_count, "
             "broadcast_from_chief), such as polydist_torch's or polydist_jax's."
         )
     return backend

@@ -35,7 +35,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, cast
 
 import numpy as np
 import optree
@@ -44,6 +44,7 @@ from polydist._base.arrays import dtype_name, is_floating
 from polydist._base.devices import HOST_DEVICE, DeviceSpec
 from polydist._strategies import context as _context
 from polydist._valuetypes.values import DistributedValues, PerReplica
+from polydist.backend._contract import SupportsPlacePerReplica, features
 from polydist.data._dataset import (
     INFINITE_CARDINALITY,
     Dataset,
@@ -294,13 +295,12 @@ _Placer = Callable[[Sequence[Any], Sequence[str]], list[Any]]
 def _per_replica_placer(backend: Backend) -> _Placer:
     """How a step's components of one leaf reach the replicas' devices.
 
-    The backend's optional ``place_per_replica(values, devices)`` takes them all at
-    once and returns what ``place`` would give for each (e.g. the jax backend makes
-    one array sharded over its replica mesh); without it, each goes through ``place``.
+    A backend with `SupportsPlacePerReplica` takes them all at once and returns what
+    ``place`` would give for each (e.g. the jax backend makes one array sharded over
+    its replica mesh); without it, each goes through ``place``.
     """
-    hook: _Placer | None = getattr(backend, "place_per_replica", None)
-    if hook is not None:
-        return hook
+    if features(backend).place_per_replica:
+        return cast(SupportsPlacePerReplica, backend).place_per_replica
     place = backend.place
 
     def place_each(values: Sequence[Any], devices: Sequence[str]) -> list[Any]:

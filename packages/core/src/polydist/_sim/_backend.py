@@ -70,6 +70,8 @@ class SimBackend:
 
     name = "sim"
     version = _VERSION
+    #: `polydist.backend.SupportsSimulatedDevices`: any ``/gpu:K`` below this exists.
+    max_simulated_devices = MAX_DEVICES
 
     def __init__(
         self,

@@ -79,6 +79,8 @@ def _get_default_mode() -> _Mode:
 
 
 def current_mode() -> _Mode:
+    """The active mode: its ``strategy``, ``replica_context`` (``None`` in cross-replica
+    context) and ``cross_replica_context`` (the strategy there, else ``None``)."""
     stack = _stack.get()
     return stack[-1] if stack else _get_default_mode()
 

@@ -47,15 +47,17 @@ from polydist._collectives import trace as _trace
 from polydist._collectives.check import collective_intent
 from polydist._strategies import context as _context
 from polydist._valuetypes.values import regroup, select_replica
-from polydist.backend._contract import (
-    SupportsCompiledRun,
-    SupportsReplicaRunner,
-    batch_all_reduce,
-)
+from polydist.backend._contract import batch_all_reduce, features
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
 
 if TYPE_CHECKING:
-    from polydist.backend._contract import Backend, ReplicaChannel, ReplicaGroup
+    from polydist.backend._contract import (
+        Backend,
+        ReplicaChannel,
+        ReplicaGroup,
+        SupportsCompiledRun,
+        SupportsReplicaRunner,
+    )
 
 __all__ = [
     "EagerReplicaRunner",
@@ -658,7 +660,7 @@ class _Run:
         # Engines that check collectives across processes publish the op and call site.
         reduce_op = first.signature[0] if first.kind == "all_reduce" else None
         intent = collective_intent(reduce_op, lambda: first.source)
-        batches = hasattr(backend, "batch_all_reduce")
+        batches = features(backend).batch_all_reduce
         if first.kind == "all_reduce" and len(first.payload) > 1 and batches:
             # A nest, on a backend that packs its arrays into fewer collectives (as TF
             # does): the trace still lists each array, with its share of the time.
@@ -805,15 +807,16 @@ _DEFAULT_RUNNER = EagerReplicaRunner()
 
 class ReplicaExecution:
     """How core runs ``strategy.run`` over one `ReplicaGroup`: the backend's features are
-    resolved once, here, and each run reads its execution model (a backend may switch
-    it, e.g. ``JaxProcessBackend.set_jit``)."""
+    read once, here, and each run reads its execution model (a backend may switch it,
+    e.g. ``JaxProcessBackend.set_jit``)."""
 
     __slots__ = ("_compiles", "_supplies_runner", "group")
 
     def __init__(self, group: ReplicaGroup) -> None:
         self.group = group
-        self._supplies_runner = isinstance(group.backend, SupportsReplicaRunner)
-        self._compiles = isinstance(group.backend, SupportsCompiledRun)
+        found = features(group.backend)
+        self._supplies_runner = found.replica_runner
+        self._compiles = found.compiled_run
 
     def run(
         self,

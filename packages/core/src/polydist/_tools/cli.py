@@ -30,7 +30,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["BenchRow", "bench_rows", "find_benchmarks_dir", "main"]
 
@@ -119,7 +119,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         DEFAULT_BACKEND,
         ENV_VAR,
         KNOWN_PACKAGES,
+        SupportsSimulatedDevices,
         _discover,
+        features,
         get_backend,
         install_hint,
     )
@@ -176,9 +178,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"  {name:<6} {label}  ok")
         print(f"         {_device_line('devices', devices)}")
         print(f"         {_device_line('MirroredStrategy() uses', default_devices)}")
-        if name == "sim":
+        if features(backend).simulated_devices:
             # The sim's GPUs are virtual: any /gpu:K that a program names exists.
-            limit = getattr(sys.modules.get(type(backend).__module__), "MAX_DEVICES", None)
+            limit = cast(SupportsSimulatedDevices, backend).max_simulated_devices
             if limit:
                 print(
                     f"         simulates up to {limit} GPUs: MirroredStrategy(8) uses "
@@ -260,7 +262,7 @@ def _add_demo(sub: Any) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from polydist._collectives import trace as _trace
     from polydist._tools.demo import run_demo
-    from polydist.backend._contract import get_backend
+    from polydist.backend._contract import features, get_backend
 
     if args.topology is not None and args.trace is None:
         args.parser.error("--topology needs --trace FILE")
@@ -276,7 +278,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    is_sim = backend.name == "sim"
+    # Simulated devices: collective times come from the cost model, not a clock.
+    is_sim = features(backend).simulated_devices
     if args.topology is not None and not is_sim:
         raise _UsageError("--topology prices simulated traces: use it with --backend sim")
     # The cost model is polydist-sim's: without it (core alone) a sim trace is recorded

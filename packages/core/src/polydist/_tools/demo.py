@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import numpy as np
 
 from polydist._base.reduce_op import ReduceOp
 from polydist._strategies.context import get_replica_context
 from polydist._strategies.strategy import MirroredStrategy
+from polydist.backend._contract import SupportsReductionOrder, features
 
 FEATURES = 16
 PER_REPLICA_BATCH = 32
@@ -68,7 +69,11 @@ def run_demo(
     strategy = MirroredStrategy(replicas, backend=backend)
     xp = strategy.extended.array_namespace()
     backend_obj = strategy.extended.backend
-    order = getattr(backend_obj, "reduction_order", None)
+    order = (
+        cast(SupportsReductionOrder, backend_obj).reduction_order
+        if features(backend_obj).reduction_order
+        else None
+    )
     global_batch = PER_REPLICA_BATCH * replicas
     x_all, y_all = _data(global_batch)
 

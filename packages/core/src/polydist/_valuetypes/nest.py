@@ -272,10 +272,13 @@ def flatten_with_path(
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: list[Any]) -> Any:
+    """The nest of structure ``spec`` (from `flatten`) holding ``leaves``."""
     return optree.tree_unflatten(spec, leaves)
 
 
 def map_structure(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """``tree`` with each leaf ``x`` replaced by ``fn(x, *others)`` (the leaves of ``rest``,
+    nests of the same structure, at the same place)."""
     return optree.tree_map(
         fn, tree, *rest, is_leaf=_is_leaf, none_is_leaf=True, namespace=NAMESPACE
     )

@@ -58,7 +58,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
 
@@ -83,7 +83,13 @@ from polydist._valuetypes.values import (
     regroup,
     select_replica,
 )
-from polydist.backend._contract import Backend, backends_owning, get_backend_for_value
+from polydist.backend._contract import (
+    Backend,
+    SupportsStoreVariable,
+    backends_owning,
+    features,
+    get_backend_for_value,
+)
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -276,6 +282,35 @@ def swap_storage(variable: Variable, arrays: Sequence[Any]) -> list[Any]:
     return old
 
 
+def components(variable: Variable) -> tuple[Variable, ...]:
+    """The per-replica components of ``variable`` in replica order (itself, if plain)."""
+    return _components(variable)
+
+
+def current_update_replica() -> int | None:
+    """The replica whose copies ``StrategyExtended.update``/``update_non_slot`` is
+    updating now (TF's ``UpdateContext``); ``None`` outside such an update."""
+    return _UPDATE_REPLICA.get()
+
+
+def replica_writes(extended: StrategyExtended) -> tuple[int, ...]:
+    """The ``id`` of each NONE-aggregated ``MirroredVariable`` of ``extended``'s strategy
+    written in replica context during the current run, in the order of their first
+    write (checked for divergence when the run ends)."""
+    return tuple(_state(extended).dirty)
+
+
+def note_replica_write(variable: MirroredVariable) -> None:
+    """Records that ``variable`` was written in replica context (see `replica_writes`)."""
+    _note_replica_write(variable)
+
+
+def is_variable_creation(merge_fn: Callable[..., Any]) -> bool:
+    """Whether ``merge_fn`` is the ``merge_call`` function with which a ``Variable``
+    created inside ``strategy.run`` is made (once, in cross-replica context)."""
+    return merge_fn is _merge_create
+
+
 def _components(variable: Variable) -> tuple[Variable, ...]:
     if isinstance(variable, DistributedVariable):
         return variable._values
@@ -421,10 +456,11 @@ def _copy(array: Any, xp: Any) -> Any:
 
 
 def _stored(backend: Backend, stored: Any, new: Any) -> Any:
-    """What a component stores when its value becomes ``new``: the backend's optional
-    ``store_variable(stored, new)`` decides (see the module docstring), else ``new``."""
-    store = getattr(backend, "store_variable", None)
-    return new if store is None else store(stored, new)
+    """What a component stores when its value becomes ``new``: a backend with
+    `SupportsStoreVariable` decides (see the module docstring), else ``new``."""
+    if not features(backend).store_variable:
+        return new
+    return cast(SupportsStoreVariable, backend).store_variable(stored, new)
 
 
 def _freeze(array: Any) -> Any:

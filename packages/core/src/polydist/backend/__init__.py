@@ -11,7 +11,23 @@ that a plain ``polydist.Variable`` of such an array lands on it::
     [project.entry-points."polydist.array_types"]
     mybackend = "my_array_module:ArrayType"
 
-See ``docs/extending.md`` for the contract.
+See ``docs/extending.md`` for the contract. This package is the whole contract: a
+backend imports only ``polydist`` and ``polydist.backend.*`` (the nox ``lint``
+session checks it with import-linter). Besides the protocols and the registry here,
+its modules are the kits backends reuse:
+
+* `polydist.backend.eager`: the eager per-replica runner;
+* `polydist.backend.tracing`: what a tracing (SPMD) backend needs to capture
+  variables and collectives;
+* `polydist.backend.multiprocess`: the membership/heartbeat/agreement kit of a backend
+  with one process per worker (and `polydist.backend.launch` to test it);
+* `polydist.backend.devices`, `.nest`, `.arrays`, `.values`, `.context`,
+  `.collectives`: device strings, nests, array rules, distributed values, the context
+  stack and collective packing as core sees them;
+* `polydist.backend.sim`: the reference simulator.
+
+Optional features are the ``Supports…`` protocols (and `ClusterBackend`,
+`WorkerProcessBackend`); `features` checks them once per backend, when it is loaded.
 """
 
 from polydist._base.arrays import convert_to_array as convert_to_array
@@ -26,15 +42,27 @@ from polydist.backend._contract import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
 from polydist.backend._contract import WORKER_PROCESSES_GROUP as WORKER_PROCESSES_GROUP
 from polydist.backend._contract import Backend as Backend
 from polydist.backend._contract import Capabilities as Capabilities
+from polydist.backend._contract import ClusterBackend as ClusterBackend
 from polydist.backend._contract import ClusterToJoin as ClusterToJoin
+from polydist.backend._contract import Features as Features
 from polydist.backend._contract import ReplicaChannel as ReplicaChannel
 from polydist.backend._contract import ReplicaGroup as ReplicaGroup
+from polydist.backend._contract import SupportsBatchAllReduce as SupportsBatchAllReduce
 from polydist.backend._contract import SupportsCompiledRun as SupportsCompiledRun
+from polydist.backend._contract import SupportsCrossDeviceOps as SupportsCrossDeviceOps
+from polydist.backend._contract import SupportsLocalTPUSystem as SupportsLocalTPUSystem
+from polydist.backend._contract import SupportsPlacePerReplica as SupportsPlacePerReplica
+from polydist.backend._contract import SupportsReductionOrder as SupportsReductionOrder
 from polydist.backend._contract import SupportsReplicaRunner as SupportsReplicaRunner
+from polydist.backend._contract import SupportsSimulatedDevices as SupportsSimulatedDevices
+from polydist.backend._contract import SupportsStoreVariable as SupportsStoreVariable
+from polydist.backend._contract import SupportsSymbolicValues as SupportsSymbolicValues
 from polydist.backend._contract import SupportsWorkerProcesses as SupportsWorkerProcesses
+from polydist.backend._contract import WorkerProcessBackend as WorkerProcessBackend
 from polydist.backend._contract import available_backends as available_backends
 from polydist.backend._contract import backends_owning as backends_owning
 from polydist.backend._contract import batch_all_reduce as batch_all_reduce
+from polydist.backend._contract import features as features
 from polydist.backend._contract import get_backend as get_backend
 from polydist.backend._contract import get_backend_for_value as get_backend_for_value
 from polydist.backend._contract import is_symbolic as is_symbolic
@@ -50,19 +78,31 @@ __all__ = [
     "WORKER_PROCESSES_GROUP",
     "Backend",
     "Capabilities",
+    "ClusterBackend",
     "ClusterToJoin",
     "EagerReplicaRunner",
+    "Features",
     "ReplicaChannel",
     "ReplicaGroup",
+    "SupportsBatchAllReduce",
     "SupportsCompiledRun",
+    "SupportsCrossDeviceOps",
+    "SupportsLocalTPUSystem",
+    "SupportsPlacePerReplica",
+    "SupportsReductionOrder",
     "SupportsReplicaRunner",
+    "SupportsSimulatedDevices",
+    "SupportsStoreVariable",
+    "SupportsSymbolicValues",
     "SupportsWorkerProcesses",
+    "WorkerProcessBackend",
     "available_backends",
     "backends_owning",
     "batch_all_reduce",
     "busy_workers",
     "convert_to_array",
     "default_timeout",
+    "features",
     "get_backend",
     "get_backend_for_value",
     "is_symbolic",

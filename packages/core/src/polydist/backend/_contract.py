@@ -27,10 +27,11 @@ import importlib.metadata
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
 
 from polydist.errors import BackendNotFoundError
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
     from polydist._base.communication import CommunicationOptions
     from polydist._base.reduce_op import ReduceOp
+    from polydist._collectives.cross_device_ops import CrossDeviceOps
     from polydist._strategies.eager import EagerReplicaRunner
     from polydist._strategies.strategy import Strategy
     from polydist.cluster_resolver import ClusterResolver
@@ -47,14 +49,26 @@ if TYPE_CHECKING:
 __all__ = [
     "Backend",
     "Capabilities",
+    "ClusterBackend",
     "ClusterToJoin",
-    "SupportsWorkerProcesses",
+    "Features",
     "ReplicaChannel",
     "ReplicaGroup",
+    "SupportsBatchAllReduce",
     "SupportsCompiledRun",
+    "SupportsCrossDeviceOps",
+    "SupportsLocalTPUSystem",
+    "SupportsPlacePerReplica",
+    "SupportsReductionOrder",
     "SupportsReplicaRunner",
+    "SupportsSimulatedDevices",
+    "SupportsStoreVariable",
+    "SupportsSymbolicValues",
+    "SupportsWorkerProcesses",
+    "WorkerProcessBackend",
     "available_backends",
     "backends_owning",
+    "features",
     "get_backend",
     "get_backend_for_value",
     "is_symbolic",
@@ -117,7 +131,7 @@ class Capabilities:
     #: Variables can be read and written inside ``strategy.run`` (replica context).
     #: ``None`` (the default): ``execution_model == "eager"`` (see ``has``). An eager
     #: backend calls each replica in Python, where core handles variables; an SPMD
-    #: backend must functionalize them (``polydist._valuetypes.variables.swap_storage``) and
+    #: backend must functionalize them (``polydist.backend.tracing.swap_storage``) and
     #: declare ``True``.
     variables_in_replica_context: bool | None = None
     #: ``TPUStrategy`` and ``MultiWorkerMirroredStrategy`` accept slices and clusters of
@@ -184,18 +198,9 @@ class Backend(Protocol):
     result placed on each destination device; ``all_reduce`` and
     ``reduce_to`` compute the SUM (core derives MEAN).
 
-    Optional: ``local_tpu_system() -> polydist.tpu.LocalTPUSystem`` describes the
-    TPU cores this backend runs ``TPUStrategy`` on (a backend on real devices;
-    see `local_tpu_system`). The backend must then accept
-    ``/job:localhost/replica:0/task:0/device:TPU:k`` as core ``k``.
-
-    Optional: ``is_symbolic(value) -> bool``: whether ``value`` belongs to a program
-    being compiled (a JAX tracer), whose concrete values do not exist yet; see
-    `is_symbolic`.
-
-    Optional: ``batch_all_reduce(columns, destinations, bytes_per_pack)``: the
-    ``all_reduce`` of several arrays at once (one replica-context ``all_reduce`` of a
-    nest), packed into fewer collectives; see `batch_all_reduce`.
+    Optional features are the small ``Supports…`` protocols below (and
+    `ClusterBackend`, `WorkerProcessBackend`): a backend implements the methods of
+    those it has. Core checks them once per backend (`features`), never by name.
 
     Running the replicas: an eager backend has nothing to implement (core runs
     them; `SupportsReplicaRunner` configures how); a backend that declares
@@ -337,6 +342,174 @@ class SupportsReplicaRunner(Protocol):
 
     @property
     def replica_runner(self) -> EagerReplicaRunner: ...
+
+
+# -- optional features ------------------------------------------------------------------
+
+
+@runtime_checkable
+class ClusterBackend(Protocol):
+    """What a backend declaring ``Capabilities.multi_worker`` or ``.tpu`` implements too."""
+
+    def connect_cluster(
+        self, worker_devices: Sequence[Sequence[str]], worker_index: int
+    ) -> tuple[int, ...]:
+        """Makes the devices of every worker (or TPU host) usable.
+
+        ``worker_devices[w]`` are worker ``w``'s devices, canonical TF strings
+        such as ``/job:worker/replica:0/task:1/device:GPU:0``; this process is
+        worker ``worker_index``. Returns the (sorted) indices of the workers
+        whose replicas this process runs: every worker on a simulator,
+        ``(worker_index,)`` on an engine with one process per worker. Raises
+        ``ValueError`` naming a device the backend cannot use.
+        """
+        ...
+
+
+@runtime_checkable
+class WorkerProcessBackend(Protocol):
+    """The engine half of ``MultiWorkerMirroredStrategy`` with one process per worker
+    (what `SupportsWorkerProcesses.worker_process_engine` returns), besides ``Backend``
+    and `ClusterBackend.connect_cluster` (which returns ``(worker_index,)``)."""
+
+    def local_device_count(self, requested: int | None) -> tuple[str, int] | None:
+        """This worker's replica device type and count for ``local_devices=requested``;
+        ``None`` (only when ``requested`` is None) applies TF's rule."""
+        ...
+
+    def broadcast_from_chief(self, value: Any, device: str) -> Any:
+        """Worker 0's ``value`` (an array), on ``device`` of every worker (a collective)."""
+        ...
+
+
+@runtime_checkable
+class SupportsLocalTPUSystem(Protocol):
+    """A backend on real TPUs: the cores it runs ``TPUStrategy`` on (see
+    `local_tpu_system`). It must accept ``/job:localhost/replica:0/task:0/device:TPU:k``
+    as core ``k``."""
+
+    def local_tpu_system(self) -> LocalTPUSystem | None: ...
+
+
+@runtime_checkable
+class SupportsSymbolicValues(Protocol):
+    """A compiling backend: whether ``value`` belongs to a program being compiled (a JAX
+    tracer), whose concrete values do not exist yet (see `is_symbolic`)."""
+
+    def is_symbolic(self, value: Any) -> bool: ...
+
+
+@runtime_checkable
+class SupportsBatchAllReduce(Protocol):
+    """The ``all_reduce`` of several arrays at once (one replica-context ``all_reduce``
+    of a nest), packed into fewer collectives (see `batch_all_reduce`)."""
+
+    def batch_all_reduce(
+        self, columns: Sequence[Sequence[Any]], destinations: Sequence[str], bytes_per_pack: int
+    ) -> list[list[Any]]: ...
+
+
+@runtime_checkable
+class SupportsPlacePerReplica(Protocol):
+    """Places one step's components of a leaf on the replicas' devices at once (the JAX
+    backend makes one array sharded over its replica mesh); returns what ``place`` would
+    give for each. Without it core calls ``place`` per replica."""
+
+    def place_per_replica(self, values: Sequence[Any], devices: Sequence[str]) -> list[Any]: ...
+
+
+@runtime_checkable
+class SupportsStoreVariable(Protocol):
+    """Decides what a variable component stores when its value becomes ``new`` (torch
+    writes into the stored tensor, so a parameter keeps seeing the variable's storage).
+    Without it the component stores ``new``."""
+
+    def store_variable(self, stored: Any, new: Any) -> Any: ...
+
+
+@runtime_checkable
+class SupportsReductionOrder(Protocol):
+    """A backend that sums in a configurable order (the sim): ``MirroredStrategy``'s
+    ``cross_device_ops`` picks the order (``with_reduction_order``)."""
+
+    reduction_order: str
+
+    def with_reduction_order(self, reduction_order: Any) -> Backend: ...
+
+
+@runtime_checkable
+class SupportsCrossDeviceOps(Protocol):
+    """A backend that configures its collectives from a ``CrossDeviceOps`` itself."""
+
+    def with_cross_device_ops(self, ops: CrossDeviceOps) -> Backend: ...
+
+
+@runtime_checkable
+class SupportsSimulatedDevices(Protocol):
+    """A backend whose devices are simulated (the sim): any ``/gpu:K`` below
+    ``max_simulated_devices`` exists, and its traces can be priced by a cost model."""
+
+    max_simulated_devices: int
+
+
+@dataclass(frozen=True)
+class Features:
+    """The optional features of one backend, checked once (`features`)."""
+
+    cluster: bool = False
+    worker_process_engine: bool = False
+    local_tpu_system: bool = False
+    symbolic_values: bool = False
+    batch_all_reduce: bool = False
+    place_per_replica: bool = False
+    store_variable: bool = False
+    reduction_order: bool = False
+    cross_device_ops: bool = False
+    simulated_devices: bool = False
+    compiled_run: bool = False
+    replica_runner: bool = False
+
+    @staticmethod
+    def of(backend: object) -> Features:
+        """The features ``backend`` implements, from its type (not cached: see `features`)."""
+        return Features(
+            cluster=isinstance(backend, ClusterBackend),
+            worker_process_engine=isinstance(backend, WorkerProcessBackend),
+            local_tpu_system=isinstance(backend, SupportsLocalTPUSystem),
+            symbolic_values=isinstance(backend, SupportsSymbolicValues),
+            batch_all_reduce=isinstance(backend, SupportsBatchAllReduce),
+            place_per_replica=isinstance(backend, SupportsPlacePerReplica),
+            store_variable=isinstance(backend, SupportsStoreVariable),
+            reduction_order=isinstance(backend, SupportsReductionOrder),
+            cross_device_ops=isinstance(backend, SupportsCrossDeviceOps),
+            simulated_devices=isinstance(backend, SupportsSimulatedDevices),
+            compiled_run=isinstance(backend, SupportsCompiledRun),
+            replica_runner=isinstance(backend, SupportsReplicaRunner),
+        )
+
+
+# Backends by id, with a weak reference that tells a reused id apart.
+_features: dict[int, tuple[weakref.ref[Any], Features]] = {}
+
+
+def features(backend: Backend) -> Features:
+    """The optional features of ``backend``, checked when it is first seen (when it is
+    loaded, for a backend from the registry) and frozen from then on."""
+    key = id(backend)
+    known = _features.get(key)
+    if known is not None and known[0]() is backend:
+        return known[1]
+    found = Features.of(backend)
+
+    def forget(_: weakref.ref[Any]) -> None:
+        _features.pop(key, None)
+
+    try:
+        ref = weakref.ref(backend, forget)
+    except TypeError:  # not weakly referenceable: checked on each call
+        return found
+    _features[key] = (ref, found)
+    return found
 
 
 _lock = threading.Lock()
@@ -524,20 +697,19 @@ def get_backend(backend: str | Backend | None = None) -> Backend:
                 f"Entry point {ep.value!r} for backend {name!r} did not produce a "
                 "polydist.backend.Backend."
             )
+        features(instance)
         _instances[name] = instance
         return instance
 
 
 def local_tpu_system(backend: Backend) -> LocalTPUSystem | None:
-    """The TPU cores ``backend`` runs ``TPUStrategy`` on, from its optional
-    ``local_tpu_system()`` method; ``None`` if it has none (the sim: its TPUs are
-    simulated slices)."""
+    """The TPU cores ``backend`` runs ``TPUStrategy`` on, from `SupportsLocalTPUSystem`;
+    ``None`` if it has none (the sim: its TPUs are simulated slices)."""
     from polydist.tpu import LocalTPUSystem
 
-    method = getattr(backend, "local_tpu_system", None)
-    if method is None:
+    if not features(backend).local_tpu_system:
         return None
-    system = method()
+    system = cast(SupportsLocalTPUSystem, backend).local_tpu_system()
     if system is not None and not isinstance(system, LocalTPUSystem):
         raise TypeError(
             f"Backend {backend.name!r}: local_tpu_system() must return a "
@@ -547,12 +719,13 @@ def local_tpu_system(backend: Backend) -> LocalTPUSystem | None:
 
 
 def is_symbolic(backend: Backend, value: Any) -> bool:
-    """Whether ``value`` is a value of a program ``backend`` is compiling, from its
-    optional ``is_symbolic(value)`` method (``False`` without one). In a compiled step
-    that spans processes every worker runs the same program, so what derives from
-    shapes (a MEAN's element count) is the same on every worker."""
-    method = getattr(backend, "is_symbolic", None)
-    return bool(method(value)) if method is not None else False
+    """Whether ``value`` is a value of a program ``backend`` is compiling, from
+    `SupportsSymbolicValues` (``False`` without it). In a compiled step that spans
+    processes every worker runs the same program, so what derives from shapes (a MEAN's
+    element count) is the same on every worker."""
+    if not features(backend).symbolic_values:
+        return False
+    return bool(cast(SupportsSymbolicValues, backend).is_symbolic(value))
 
 
 def batch_all_reduce(
@@ -562,8 +735,8 @@ def batch_all_reduce(
     bytes_per_pack: int = 0,
 ) -> list[list[Any]]:
     """``backend.all_reduce(column, destinations)`` of each column (one array per
-    replica), through the backend's optional ``batch_all_reduce(columns, destinations,
-    bytes_per_pack)`` when it has one (and there are several columns).
+    replica), through `SupportsBatchAllReduce` when the backend has it (and there are
+    several columns).
 
     The batch method may pack the columns into fewer collectives, as TF packs a nest
     into one ``all_reduce`` per pack (`pack_by_size`): ``bytes_per_pack`` is
@@ -571,10 +744,10 @@ def batch_all_reduce(
     equal its own ``all_reduce``'s and be arrays of their own to the caller (a result
     may be a view into a packed buffer only if no other result aliases its memory).
     """
-    method = getattr(backend, "batch_all_reduce", None)
-    if method is None or len(columns) < 2:
+    if not features(backend).batch_all_reduce or len(columns) < 2:
         return [backend.all_reduce(column, destinations) for column in columns]
-    results: list[list[Any]] = method(columns, destinations, bytes_per_pack)
+    batched = cast(SupportsBatchAllReduce, backend)
+    results = batched.batch_all_reduce(columns, destinations, bytes_per_pack)
     if len(results) != len(columns):
         raise RuntimeError(
             f"Backend {backend.name!r}: batch_all_reduce returned {len(results)} results for "
@@ -629,6 +802,7 @@ def _reset_registry_for_tests() -> None:
     global _entry_points, _array_type_entry_points
     with _lock:
         _instances.clear()
+        _features.clear()
         _worker_processes.clear()
         _entry_points = None
         _array_type_entry_points = None
