@@ -262,7 +262,7 @@ class Backend(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ReplicaGroup:
     """Who a collective or a run spans, as the strategy supplies it (its group provider).
 
@@ -271,6 +271,9 @@ class ReplicaGroup:
     for all of them. For ``strategy.run``: what a compiled backend's
     ``run_replicas`` gets (`SupportsCompiledRun`) and what core's
     `EagerReplicaRunner` runs, built once per strategy (`replica_group`).
+
+    Compared and hashed by identity: a backend may key what it caches per strategy by
+    the run's group (weakly: it lives as long as its strategy's run state).
     """
 
     backend: Backend
