@@ -1,5 +1,5 @@
-"""Sessions: lint, typecheck, tests(package), demo, docs, conformance, jax, torch,
-torch_xla, bench.
+"""Sessions: lint, typecheck, tests(package), demo, docs, conformance, example_backend,
+jax, torch, torch_xla, bench.
 
 ``nox`` runs the default set (everything CI needs); ``nox -s bench`` runs the
 benchmarks and writes ``benchmarks/results/``. Each backend's tests run in
@@ -24,6 +24,7 @@ nox.options.sessions = [
     "typecheck",
     "tests",
     "conformance",
+    "example_backend",
     "demo",
     "docs",
     "jax",
@@ -38,6 +39,8 @@ SIM = "./packages/sim"
 CONFORMANCE = "./conformance"
 JAX = "./packages/backend-jax"
 TORCH = "./packages/backend-torch"
+# A third-party backend outside packages/, written against the public contract only.
+EXAMPLE_BACKEND = "./examples/thirdparty_backend"
 # The CPU build of torch 2.13 (a local wheel on CI machines); an unpinned torch
 # would pull a multi-GB CUDA build.
 TORCH_PIN = "torch==2.13.0"
@@ -68,6 +71,7 @@ SOURCE_DIRS = [
     "packages/backend-jax/src",
     "packages/backend-torch/src",
     "conformance/src",
+    "examples/thirdparty_backend/src",
 ]
 
 
@@ -111,6 +115,40 @@ def conformance(session: nox.Session) -> None:
     """The conformance suite, run the way a backend author runs it, on the sim."""
     session.install("ml_dtypes>=0.5", CORE, SIM, CONFORMANCE)  # runs the bfloat16 cases
     session.run("pytest", "--pyargs", "polydist_conformance", "--polydist-backend=sim", "-q")
+
+
+# Replica counts the example backend's conformance run takes: one replica (no peers), an
+# odd count, the default 4, and all 8 of its devices. Under 10 s each on 2 cores.
+EXAMPLE_BACKEND_REPLICAS = (1, 3, 4, 8)
+
+
+@nox.session(python=PY)
+def example_backend(session: nox.Session) -> None:
+    """The example third-party backend (examples/thirdparty_backend, ``backend="threads"``),
+    installed from its folder as a stranger's package is: mypy, its tests (one checks that
+    it imports nothing private from polydist), the docs' code blocks that use it
+    (``fixture:threads``: docs/extending.md's eager walkthrough), and the conformance
+    suite through the pytest plugin at 1, 3, 4 and 8 replicas."""
+    session.install(
+        "mypy>=1.11", *TEST_DEPS, *DOCS_TEST_DEPS, "ml_dtypes>=0.5", CORE, SIM, CONFORMANCE
+    )
+    session.install(EXAMPLE_BACKEND)
+    session.run(
+        "mypy",
+        "examples/thirdparty_backend/src/polydist_example_backend",
+        "examples/thirdparty_backend/tests",
+    )
+    session.run("pytest", "examples/thirdparty_backend/tests", "-q", *session.posargs)
+    session.run(*DOCS_TEST, env={"POLYDIST_DOCS_BACKEND": "threads"})
+    for replicas in EXAMPLE_BACKEND_REPLICAS:
+        session.run(
+            "pytest",
+            "--pyargs",
+            "polydist_conformance",
+            "--polydist-backend=threads",
+            f"--polydist-replicas={replicas}",
+            "-q",
+        )
 
 
 @nox.session(python=PY)

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from pluggy import Result
 
-#: Fixture names that tie a block to a backend's nox session.
-BACKENDS = ("jax", "torch", "torch_xla")
+#: Fixture names that tie a block to a backend's nox session. ``threads`` is the example
+#: third-party backend (examples/thirdparty_backend), run by the example_backend session.
+BACKENDS = ("jax", "torch", "torch_xla", "threads")
 
 
 def _backend_of(item: pytest.Item) -> str:
@@ -73,6 +74,13 @@ def torch_xla() -> object:
     import torch_xla as torch_xla_module
 
     return torch_xla_module
+
+
+@pytest.fixture
+def threads() -> object:
+    import polydist_example_backend
+
+    return polydist_example_backend
 
 
 _RAISES = re.compile(r"#\s*raises\s+([A-Za-z_][\w.]*)")

@@ -53,19 +53,19 @@ __all__ = [
     "ClusterToJoin",
     "Features",
     "ReplicaChannel",
-    "ReplicaGroup",
     "SupportsBatchAllReduce",
-    "SupportsCompiledRun",
     "SupportsCrossDeviceOps",
     "SupportsLocalTPUSystem",
     "SupportsPlacePerReplica",
     "SupportsReductionOrder",
-    "SupportsReplicaRunner",
     "SupportsSimulatedDevices",
     "SupportsStoreVariable",
     "SupportsSymbolicValues",
     "SupportsWorkerProcesses",
     "WorkerProcessBackend",
+    "ReplicaGroup",
+    "SupportsCompiledRun",
+    "SupportsReplicaRunner",
     "available_backends",
     "backends_owning",
     "features",
@@ -262,91 +262,6 @@ class Backend(Protocol):
         ...
 
 
-@dataclass(frozen=True, eq=False)
-class ReplicaGroup:
-    """Who a collective or a run spans, as the strategy supplies it (its group provider).
-
-    For a reduction: one process's replicas, a simulated cluster and one process
-    per worker differ here only; the reduction itself is core's ``reduce_over_group``
-    for all of them. For ``strategy.run``: what a compiled backend's
-    ``run_replicas`` gets (`SupportsCompiledRun`) and what core's
-    `EagerReplicaRunner` runs, built once per strategy (`replica_group`).
-
-    Compared and hashed by identity: a backend may key what it caches per strategy by
-    the run's group (weakly: it lives as long as its strategy's run state).
-    """
-
-    backend: Backend
-    #: Where each of this process's values is placed before the engine's SUM; for a
-    #: run, the device of each replica this process runs, in replica order.
-    devices: tuple[str, ...]
-    #: How many values the engine's SUM adds up (every worker's): MEAN's divisor. For a
-    #: run, ``num_replicas_in_sync`` (every worker's replicas).
-    size: int
-    #: What the trace records as the collective's participants; ``None``: nothing.
-    participants: tuple[str, ...] | None = None
-    #: The SUM crosses processes: announce the reduce op to the workers' agreement
-    #: check, and let a batch go to the engine together (packed).
-    across_processes: bool = False
-    #: For a run: the strategy whose replicas these are (the replicas' ``ReplicaContext``
-    #: objects and ``merge_fn``'s cross-replica context belong to it, and its variables).
-    strategy: Strategy | None = None
-    #: For a run: the id (``replica_id_in_sync_group``) of this process's first replica
-    #: among every worker's; 0 in one process.
-    replica_offset: int = 0
-    #: For a run: the strategy's ``CommunicationOptions`` (multi-worker strategies).
-    communication_options: CommunicationOptions | None = None
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        """Every worker's replicas (``size``)."""
-        return self.size
-
-
-def replica_group(strategy: Strategy) -> ReplicaGroup:
-    """The `ReplicaGroup` ``strategy.run`` runs: this process's replicas' devices, the
-    replica count, the first replica's id, the communication options. Built once per
-    strategy (and set of devices) and reused by every run."""
-    return strategy.extended._run_group()
-
-
-@runtime_checkable
-class SupportsCompiledRun(Protocol):
-    """How a backend with ``Capabilities.execution_model == "spmd"`` runs ``strategy.run``.
-
-    Core calls ``run_replicas`` instead of its own eager runner. The backend traces
-    ``fn`` once for all replicas, each call inside a ``ReplicaContext`` of
-    ``group.strategy`` whose channel turns collectives into compiled ones, and returns
-    each replica's result in replica order (core regroups them). ``per_replica_args[r]``
-    holds the ``(args, kwargs)`` replica ``r`` receives (the same object for every
-    replica when nothing is distributed). A backend that cannot compile a call may run it
-    with `EagerReplicaRunner` (``runner.run(group, fn, per_replica_args)``).
-    """
-
-    def run_replicas(
-        self,
-        group: ReplicaGroup,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-    ) -> list[Any]: ...
-
-
-@runtime_checkable
-class SupportsReplicaRunner(Protocol):
-    """An eager backend's configuration of core's runner (``execution_model == "eager"``).
-
-    Core runs the replicas with ``replica_runner`` (read at each run); a backend without
-    one gets ``EagerReplicaRunner()`` (greenlets, ``$POLYDIST_TIMEOUT_SECONDS``). A
-    backend whose engine keeps state per thread asks for ``"thread"`` mode; one whose
-    collectives need wrapping (autograd) passes ``wrap_channel``; one that needs work
-    around a whole run (carrying the caller's thread state into the replicas) subclasses
-    `EagerReplicaRunner` and extends ``run``.
-    """
-
-    @property
-    def replica_runner(self) -> EagerReplicaRunner: ...
-
-
 # -- optional features ------------------------------------------------------------------
 
 
@@ -513,6 +428,91 @@ def features(backend: Backend) -> Features:
         return found
     _features[key] = (ref, found)
     return found
+
+
+@dataclass(frozen=True, eq=False)
+class ReplicaGroup:
+    """Who a collective or a run spans, as the strategy supplies it (its group provider).
+
+    For a reduction: one process's replicas, a simulated cluster and one process
+    per worker differ here only; the reduction itself is core's ``reduce_over_group``
+    for all of them. For ``strategy.run``: what a compiled backend's
+    ``run_replicas`` gets (`SupportsCompiledRun`) and what core's
+    `EagerReplicaRunner` runs, built once per strategy (`replica_group`).
+
+    Compared and hashed by identity: a backend may key what it caches per strategy by
+    the run's group (weakly: it lives as long as its strategy's run state).
+    """
+
+    backend: Backend
+    #: Where each of this process's values is placed before the engine's SUM; for a
+    #: run, the device of each replica this process runs, in replica order.
+    devices: tuple[str, ...]
+    #: How many values the engine's SUM adds up (every worker's): MEAN's divisor. For a
+    #: run, ``num_replicas_in_sync`` (every worker's replicas).
+    size: int
+    #: What the trace records as the collective's participants; ``None``: nothing.
+    participants: tuple[str, ...] | None = None
+    #: The SUM crosses processes: announce the reduce op to the workers' agreement
+    #: check, and let a batch go to the engine together (packed).
+    across_processes: bool = False
+    #: For a run: the strategy whose replicas these are (the replicas' ``ReplicaContext``
+    #: objects and ``merge_fn``'s cross-replica context belong to it, and its variables).
+    strategy: Strategy | None = None
+    #: For a run: the id (``replica_id_in_sync_group``) of this process's first replica
+    #: among every worker's; 0 in one process.
+    replica_offset: int = 0
+    #: For a run: the strategy's ``CommunicationOptions`` (multi-worker strategies).
+    communication_options: CommunicationOptions | None = None
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Every worker's replicas (``size``)."""
+        return self.size
+
+
+def replica_group(strategy: Strategy) -> ReplicaGroup:
+    """The `ReplicaGroup` ``strategy.run`` runs: this process's replicas' devices, the
+    replica count, the first replica's id, the communication options. Built once per
+    strategy (and set of devices) and reused by every run."""
+    return strategy.extended._run_group()
+
+
+@runtime_checkable
+class SupportsCompiledRun(Protocol):
+    """How a backend with ``Capabilities.execution_model == "spmd"`` runs ``strategy.run``.
+
+    Core calls ``run_replicas`` instead of its own eager runner. The backend traces
+    ``fn`` once for all replicas, each call inside a ``ReplicaContext`` of
+    ``group.strategy`` whose channel turns collectives into compiled ones, and returns
+    each replica's result in replica order (core regroups them). ``per_replica_args[r]``
+    holds the ``(args, kwargs)`` replica ``r`` receives (the same object for every
+    replica when nothing is distributed). A backend that cannot compile a call may run it
+    with `EagerReplicaRunner` (``runner.run(group, fn, per_replica_args)``).
+    """
+
+    def run_replicas(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[Any]: ...
+
+
+@runtime_checkable
+class SupportsReplicaRunner(Protocol):
+    """An eager backend's configuration of core's runner (``execution_model == "eager"``).
+
+    Core runs the replicas with ``replica_runner`` (read at each run); a backend without
+    one gets ``EagerReplicaRunner()`` (greenlets, ``$POLYDIST_TIMEOUT_SECONDS``). A
+    backend whose engine keeps state per thread asks for ``"thread"`` mode; one whose
+    collectives need wrapping (autograd) passes ``wrap_channel``; one that needs work
+    around a whole run (carrying the caller's thread state into the replicas) subclasses
+    `EagerReplicaRunner` and extends ``run``.
+    """
+
+    @property
+    def replica_runner(self) -> EagerReplicaRunner: ...
 
 
 _lock = threading.Lock()

@@ -16,9 +16,8 @@ This module holds what every such engine needs besides its collectives:
   waiting in) and :class:`PeerMissing` (a worker that stopped answering);
 * uneven gathers: :func:`shape_row`, :func:`gathered_sizes`;
 * per-process state: :func:`once_per_process` and :func:`process_capabilities` (the
-  capabilities of a one-process-per-worker engine). An engine needs no eager runner
-  per worker: the runner names each replica by its id among every worker's
-  (``ReplicaGroup.replica_offset``).
+  capabilities of a one-process-per-worker engine). Core runs each worker's replicas
+  itself (``polydist.backend.SupportsReplicaRunner`` configures how).
 """
 
 from polydist._collectives.check import PeerMissing as PeerMissing
