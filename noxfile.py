@@ -181,6 +181,7 @@ def bench(session: nox.Session, backend: str) -> None:
         )
         session.run("python", "benchmarks/bench_input.py", "--backend", "jax", env=XLA_8)
         session.run("python", "benchmarks/bench_multiworker.py", "--engine", "jax")
+        session.run("python", "benchmarks/bench_multiworker_step.py", "--engine", "jax")
     else:
         # lightning, accelerate: Fabric and Accelerate beside polydist in
         # bench_peers_torch.py (benchmark-only dependencies, never the packages'; in the
@@ -189,6 +190,7 @@ def bench(session: nox.Session, backend: str) -> None:
         session.run("python", "benchmarks/bench_torch.py", *session.posargs)
         session.run("python", "benchmarks/bench_peers_torch.py")
         session.run("python", "benchmarks/bench_multiworker.py", "--engine", "torch")
+        session.run("python", "benchmarks/bench_multiworker_step.py", "--engine", "torch")
 
 
 # The replica counts the JAX conformance suite runs at (on 8 fake CPU devices; TPUStrategy

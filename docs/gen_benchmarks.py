@@ -58,6 +58,16 @@ hand-written step, Fabric 1.01x and Accelerate 1.03x: level with Accelerate and
 about 2% **behind** Fabric (the first run, before `step()` stopped summing the
 gradients of a single replica, had polydist at 1.05x). Differences of a few
 percent are within this shared machine's noise.
+
+`multiworker-step-cpu` (`benchmarks/bench_multiworker_step.py`) is a training
+step across 2 worker processes (1 replica each, loopback): an MLP whose 1 to 64
+MiB of gradients are all-reduced every step through `MultiWorkerMirroredStrategy`,
+against hand-written engine code (torch: DDP's flat bucket or one in-place
+`dist.all_reduce` per gradient, over gloo; JAX: `jit(shard_map)` over the
+multi-process mesh). Its ratios are the faster hand-written step's time over
+polydist's (higher is better). Two processes on the 2 shared cores make these
+the noisiest rows: see
+[Running on several hosts](multi-host.md#what-is-not-bounded-and-other-limits).
 """
 
 

@@ -6,7 +6,7 @@ for this backend only.
 
 from __future__ import annotations
 
-from polydist._strategies.tpu_strategy import TPUExtended
+from polydist._distributed.tpu_strategy import TPUExtended
 
 from ._support import MutantSim, is_mutant
 

@@ -45,7 +45,7 @@ class Counting:
         self.pulled = 0
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        # Distributing reads one batch of a separate iteration (the element spec).
+        # Each iter() is a new pass (distributing itself reads none).
         self.pulled = 0
         for batch in self.batches:
             self.pulled += 1

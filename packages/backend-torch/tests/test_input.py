@@ -265,3 +265,110 @@ def test_generator_of_loader_style_batches() -> None:
             for step in s.experimental_distribute_dataset(source)
         ]
         assert got == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+
+# ------------------------------------------- shuffling loaders and torch's global RNG
+
+
+class Augmented(Dataset[torch.Tensor]):
+    """Examples with a random shift from torch's global RNG, as a num_workers=0 augmentation."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)]) + torch.rand(1)
+
+
+def rows_of(value: Any) -> list[float]:
+    """A step's global batch: the replicas' rows in order (a plain tensor at one replica)."""
+    if isinstance(value, list | tuple):  # a TensorDataset's [x]
+        value = value[0]
+    if isinstance(value, pd.DistributedValues):
+        return [r for v in value.values for r in rows_of(v)]
+    return [float(r) for r in value.reshape(-1)]
+
+
+def rng_trace(data: Any, *, manual: bool, spec: bool = False, epochs: int = 3) -> list[Any]:
+    """The batches a program reads and the torch.randn draws between them, in order."""
+    trace: list[Any] = [("made", torch.randn(3).tolist())]
+    if spec:
+        trace.append(("spec", str(data.element_spec)))
+    for _ in range(epochs):
+        iterator = iter(data)
+        if manual:  # a draw between iter() and the first next(), as a model's init would
+            trace.append(("iter", torch.randn(1).tolist()))
+        for batch in iterator:
+            trace.append(("batch", rows_of(batch)))
+            trace.append(("dropout", torch.randn(1).tolist()))
+        trace.append(("epoch", torch.randn(3).tolist()))
+    return trace
+
+
+def shuffled(augmented: bool) -> DataLoader[Any]:
+    data: Any = Augmented() if augmented else TensorDataset(torch.arange(10.0))
+    return DataLoader(data, batch_size=4, shuffle=True)
+
+
+def make_strategy(kind: str) -> pd.Strategy:
+    if kind == "one_device":
+        return pd.OneDeviceStrategy("/cpu:0", backend=TorchBackend("sequential"))
+    return torch_strategy(int(kind[-1]))
+
+
+@pytest.mark.parametrize("kind", ["one_device", "mirrored1", "mirrored2", "mirrored3"])
+@pytest.mark.parametrize("manual", [False, True])
+def test_a_shuffling_loader_reads_and_draws_as_plain_torch(kind: str, manual: bool) -> None:
+    # Batch order and every torch.randn after distributing, per step and per epoch,
+    # are plain torch's: iter(dist) calls iter(loader) (its seed draw) and nothing
+    # reads the loader ahead of the user (no spec peek, no pass of its own).
+    torch.manual_seed(0)
+    expected = rng_trace(shuffled(False), manual=manual)
+    torch.manual_seed(0)
+    dist = make_strategy(kind).experimental_distribute_dataset(shuffled(False))
+    assert rng_trace(dist, manual=manual) == expected
+
+
+@pytest.mark.parametrize("kind", ["one_device", "mirrored2"])
+def test_element_spec_of_a_shuffling_loader_begins_the_first_epoch(kind: str) -> None:
+    # The spec is read from the first batch of the pass the next iteration
+    # continues: no extra permutation, so with no draw in between all is the same.
+    torch.manual_seed(0)
+    expected = rng_trace(shuffled(False), manual=False)
+    torch.manual_seed(0)
+    dist = make_strategy(kind).experimental_distribute_dataset(shuffled(False))
+    got = rng_trace(dist, manual=False, spec=True)
+    assert got[1][0] == "spec" and "None" in got[1][1]
+    assert [got[0], *got[2:]] == expected
+
+
+@pytest.mark.parametrize("kind", ["one_device", "mirrored2"])
+def test_an_augmenting_loader_without_read_ahead_draws_as_plain_torch(kind: str) -> None:
+    # A dataset drawing from the global RNG as it is read: with buffer size 0 the
+    # reads interleave with the user's draws exactly as in plain torch.
+    torch.manual_seed(0)
+    expected = rng_trace(shuffled(True), manual=True)
+    torch.manual_seed(0)
+    options = pd.data.InputOptions(experimental_per_replica_buffer_size=0)
+    dist = make_strategy(kind).experimental_distribute_dataset(shuffled(True), options)
+    assert rng_trace(dist, manual=True) == expected
+
+
+def test_read_ahead_stays_inside_the_epoch_the_user_began() -> None:
+    # The default read-ahead (one step) reads the next batch of the same pass,
+    # never iter() of a new one: after the last step of an epoch no pass is begun.
+    passes: list[int] = []
+
+    class Counting(DataLoader[Any]):
+        def __iter__(self) -> Any:
+            passes.append(len(passes))
+            return super().__iter__()
+
+    counting = Counting(TensorDataset(torch.arange(10.0)), batch_size=4, shuffle=True)
+    dist = torch_strategy(2).experimental_distribute_dataset(counting)
+    assert passes == []
+    for epoch in range(3):
+        iterator = iter(dist)
+        assert len(passes) == epoch + 1
+        assert len(list(iterator)) == 3
+        assert len(passes) == epoch + 1

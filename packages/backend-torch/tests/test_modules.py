@@ -296,6 +296,27 @@ def test_one_replica_steps_without_a_collective() -> None:
         assert torch.equal(p.detach(), q)  # the same arithmetic as plain torch
 
 
+def test_step_sums_flags_and_gradients_in_one_pack() -> None:
+    """The has-gradient flags travel in the float gradients' pack: one collective (and,
+    across workers, one check) per step, not a second one for int32 flags (issue 20)."""
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+        opt = polydist_torch.distribute_optimizer(OPTIMIZERS["sgd"](model.parameters()))
+
+    step = distributed_step(model, opt)
+    with pd.trace() as t:
+        for x, y in strategy.experimental_distribute_dataset(make_loader()):
+            strategy.run(step, args=(x, y))
+    reduced = [e for e in t.events if e.op == "all_reduce"]
+    flags = (len(list(model.parameters())),)  # one per parameter
+    assert [e for e in reduced if e.shape == flags and e.dtype == "float32"]
+    assert not [e for e in reduced if e.shape == flags and e.dtype == "int32"]
+    expected = reference_training("sgd")
+    for p, q in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), q, rtol=RTOL, atol=ATOL)
+
+
 def test_missing_gradients_count_as_zero_and_none_everywhere_is_skipped() -> None:
     strategy = cpu_strategy(2)
     with strategy.scope():

@@ -35,6 +35,7 @@ from polydist.checkpoint import (
     JSONLike,
     Manifest,
     _io,
+    _read,
     latest_checkpoint,
     list_checkpoints,
     read_arrays,
@@ -163,7 +164,7 @@ def test_names_with_slashes_colons_and_unicode(tmp_path: Path) -> None:
 
 
 def test_non_contiguous_and_chunked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_io, "_CHUNK_BYTES", 7)  # many tiny chunks, sizes not multiples
+    monkeypatch.setattr(_read, "_CHUNK_BYTES", 7)  # many tiny chunks, sizes not multiples
     base = np.arange(3 * 5 * 4, dtype=np.float64).reshape(3, 5, 4)
     arrays: dict[str, np.ndarray] = {
         "transposed": base.T,
@@ -830,7 +831,7 @@ def test_legacy_format_1_checkpoints_still_read(
 
 def test_older_readers_refuse_format_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_arrays(tmp_path, {"w": np.ones(2)})
-    monkeypatch.setattr(_io, "FORMAT_VERSION", 2)  # polydist before safetensors
+    monkeypatch.setattr(_read, "FORMAT_VERSION", 2)  # polydist before safetensors
     with pytest.raises(CheckpointError, match=r"version 3 was written by a newer polydist"):
         read_arrays(tmp_path)
 

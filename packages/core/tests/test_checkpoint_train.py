@@ -301,7 +301,7 @@ def test_manager_keep_checkpoint_every_n_hours(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("polydist.train._checkpoint.time.time", lambda: clock[0])
+    monkeypatch.setattr("polydist.train._manager.time.time", lambda: clock[0])
     v = pd.Variable(0.0, name="v")
     manager = CheckpointManager(
         Checkpoint(v=v), tmp_path, max_to_keep=1, keep_checkpoint_every_n_hours=1

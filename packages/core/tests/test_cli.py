@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from polydist._tools import cli as cli_module
+from polydist._tools import bench as bench_module
 from polydist._tools.cli import bench_rows, find_benchmarks_dir, main
 from polydist.backend import _contract as _backend
 
@@ -435,7 +435,7 @@ def test_bench_never_runs_scripts_found_from_the_working_directory(
     assert found != planted.resolve()
     # An editable install: this checkout's own benchmarks/; installed from a wheel (as nox
     # installs it): none, and `polydist bench` asks for --dir.
-    module = Path(cli_module.__file__).resolve()
+    module = Path(bench_module.__file__).resolve()
     editable = module.parents[4].name == "packages" and module.parents[3].name == "core"
     assert found == (module.parents[5] / "benchmarks" if editable else None)
     assert main(["bench", "--only", "planted"]) == 2
@@ -448,9 +448,9 @@ def test_bench_never_runs_scripts_found_from_the_working_directory(
 def test_bench_without_a_checkout_asks_for_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # As if installed from a wheel: site-packages/polydist/_tools/cli.py has no checkout above it.
-    fake = tmp_path / "site-packages" / "polydist" / "_tools" / "cli.py"
-    monkeypatch.setattr(cli_module, "__file__", str(fake))
+    # As if installed from a wheel: site-packages/polydist/_tools/bench.py has no checkout above.
+    fake = tmp_path / "site-packages" / "polydist" / "_tools" / "bench.py"
+    monkeypatch.setattr(bench_module, "__file__", str(fake))
     assert find_benchmarks_dir() is None
     assert main(["bench", "--no-run"]) == 2
     assert "--dir PATH" in capsys.readouterr().err

@@ -436,6 +436,60 @@ def test_buffer_size_reads_ahead_and_errors_surface_at_their_step() -> None:
         )
 
 
+class Passes:
+    """A re-iterable (as a torch DataLoader) that logs each iter() and each batch read."""
+
+    def __init__(self, batches: list[np.ndarray]) -> None:
+        self.batches = batches
+        self.log: list[str] = []
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        self.log.append("iter")
+        return self._read(len([e for e in self.log if e == "iter"]))
+
+    def _read(self, number: int) -> Iterator[np.ndarray]:
+        for i, batch in enumerate(self.batches):
+            self.log.append(f"read {number}.{i}")
+            yield batch
+
+
+@pytest.mark.parametrize("replica_count", [1, 2])
+def test_a_plain_iterable_is_begun_by_iter_and_read_only_in_the_passes_asked_for(
+    replica_count: int,
+) -> None:
+    # Distributing reads nothing (no spec peek: a DataLoader would draw a shuffle);
+    # iter() of the distributed dataset calls iter() of the source right away, as
+    # iter(loader) does; read-ahead stays inside that pass.
+    source = Passes([np.arange(4), np.arange(4, 8), np.arange(8, 10)])
+    dist = distribute(replica_count, source)
+    assert source.log == []
+    for epoch in (1, 2):
+        iterator = iter(dist)
+        assert source.log[-1] == "iter"
+        got = [[x for r in step for x in r] for step in steps(iterator)]
+        assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        assert source.log[-4:] == ["iter"] + [f"read {epoch}.{i}" for i in range(3)]
+        assert source.log.count("iter") == epoch
+    # The spec is read from the first batch of the pass the next iteration continues.
+    source = Passes([np.arange(4), np.arange(4, 8), np.arange(8, 10)])
+    dist = distribute(replica_count, source)
+    assert dist.element_spec is not None
+    assert source.log == ["iter", "read 1.0"]
+    assert [x for r in steps(dist)[0] for x in r] == [0, 1, 2, 3]
+    assert source.log == ["iter", "read 1.0", "read 1.1", "read 1.2"]
+    # A generator function is called once per iteration, when the iteration is made.
+    source = Passes([np.arange(4), np.arange(4, 8), np.arange(8, 10)])
+    dist = distribute(replica_count, lambda: iter(source))
+    assert source.log == []
+    iterator = iter(dist)
+    assert source.log == ["iter"]
+    assert len(list(iterator)) == 3
+    assert source.log == ["iter", "read 1.0", "read 1.1", "read 1.2"]
+    # Unbatched batches are still an error, raised as they are read.
+    with pytest.raises(ValueError, match="not batched"):
+        list(distribute(2, Passes([np.float32(1.0)])))  # type: ignore[list-item]
+
+
 def test_batches_of_different_structures_are_an_error() -> None:
     batches = [{"x": np.arange(4)}, {"y": np.arange(4)}]
     dist = pd.MirroredStrategy(2).distribute_datasets_from_function(lambda _: batches)

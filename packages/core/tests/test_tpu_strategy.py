@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
-from polydist._strategies.tpu_strategy import (
+from polydist._distributed.tpu_strategy import (
     LogicalDeviceAnnotation,
     TPUHardwareFeature,
     TPUReplicaContext,

@@ -521,12 +521,26 @@ def _spmd_note() -> Iterator[None]:
 # --------------------------------------------------------------------------- the channel
 
 
+#: Across processes, an array of at least this many bytes is its own all-reduce operand
+#: (never concatenated into a pack): see `_packed_psum`.
+OWN_OPERAND_BYTES = 1 << 20
+#: ... and a pack of smaller ones closes once it holds more than this (`pack_by_size`).
+MAX_PACK_BYTES = 4 << 20
+
+
 def _packed_psum(arrays: list[Any], bytes_per_pack: int) -> list[Any]:
     """The psum of each array over the replicas of several processes, packed as TF packs
     a nest: the arrays of each dtype are concatenated into flat packs (`pack_by_size`),
     so that the program holds one all-reduce operand per pack. (XLA's CPU runtime runs
     each operand of an all-reduce as its own cross-process collective: 64 arrays took 6x
-    longer than one pack.) Weakly typed arrays keep their own operand, and their type."""
+    longer than one pack.) Weakly typed arrays keep their own operand, and their type.
+
+    Large arrays are not packed: an array of `OWN_OPERAND_BYTES` or more is an operand
+    of its own, and a pack closes past `MAX_PACK_BYTES` (or ``bytes_per_pack``, if
+    smaller). XLA:CPU all-reduces a large concatenation several times slower than its
+    parts: an MLP step with two 8 MiB gradients took 4x as long as with the gradients
+    as operands (``benchmarks/bench_multiworker_step.py``), while above a MiB an
+    operand's own cost is small beside its transfer."""
     out: list[Any] = [None] * len(arrays)
     # An empty array's sum is itself: it has nothing to send, so no pack holds it.
     nonempty = [i for i, a in enumerate(arrays) if a.size]
@@ -535,9 +549,13 @@ def _packed_psum(arrays: list[Any], bytes_per_pack: int) -> list[Any]:
             out[i] = a
     kept = [arrays[i] for i in nonempty]
     weak = [bool(getattr(getattr(a, "aval", None), "weak_type", False)) for a in kept]
-    dtypes = [None if w else a.dtype for a, w in zip(kept, weak, strict=True)]
     sizes = [a.size * a.dtype.itemsize for a in kept]
-    packs = pack_by_dtype(dtypes, sizes, bytes_per_pack)
+    dtypes = [
+        None if w or size >= OWN_OPERAND_BYTES else a.dtype
+        for a, w, size in zip(kept, weak, sizes, strict=True)
+    ]
+    limit = MAX_PACK_BYTES if bytes_per_pack == 0 else min(bytes_per_pack, MAX_PACK_BYTES)
+    packs = pack_by_dtype(dtypes, sizes, limit)
     operands = [
         kept[p[0]] if len(p) == 1 else jnp.concatenate([kept[i].reshape(-1) for i in p])
         for p in packs

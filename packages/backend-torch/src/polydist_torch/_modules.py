@@ -473,6 +473,10 @@ def _init_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in parameters}
 
 
+#: Float dtypes whose integers are exact up to any replica count polydist runs.
+_EXACT_COUNTS = (torch.float32, torch.float64)
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """One logical ``torch.optim`` optimizer over a :class:`DistributedModule`'s replicas.
 
@@ -643,17 +647,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # One replica in sync: the sum is its own gradients, so nothing is copied.
             self._reduced[r] = True
             return
-        has_grad = torch.tensor(
-            [p.grad is not None for p in params], dtype=torch.int32, device=params[0].device
-        )
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # The flags travel in the gradients' pack when they share a float dtype that
+        # counts replicas exactly: a pack of their own would be a second collective
+        # (and, across workers, a second check's round trip) per step.
+        dtype = grads[0].dtype
+        same = dtype in _EXACT_COUNTS and all(g.dtype == dtype for g in grads)
+        has_grad = torch.tensor(
+            [p.grad is not None for p in params],
+            dtype=dtype if same else torch.int32,
+            device=params[0].device,
+        )
         if any(g.is_sparse for g in grads):
             raise NotImplementedError(
                 "DistributedOptimizer: sparse gradients (nn.Embedding(sparse=True)) cannot be "
                 "all-reduced yet; use dense gradients."
             )
         summed = ctx.all_reduce(pd.ReduceOp.SUM, [has_grad, *(g.detach() for g in grads)])
-        counts = summed[0].tolist()
+        counts = [int(c) for c in summed[0].tolist()]
         with torch.no_grad():
             for p, count, total in zip(params, counts, summed[1:]):
                 if count == 0:

@@ -33,6 +33,7 @@ from polydist._collectives.trace import trace as trace
 from polydist._distributed.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
+from polydist._distributed.tpu_strategy import TPUStrategy as TPUStrategy
 from polydist._input.input_lib import DistributedDataset as DistributedDataset
 from polydist._input.input_lib import DistributedIterator as DistributedIterator
 from polydist._input.input_lib import PartialBatchWarning as PartialBatchWarning
@@ -42,12 +43,11 @@ from polydist._strategies.context import get_replica_context as get_replica_cont
 from polydist._strategies.context import get_strategy as get_strategy
 from polydist._strategies.context import has_strategy as has_strategy
 from polydist._strategies.context import in_cross_replica_context as in_cross_replica_context
+from polydist._strategies.mirrored import MirroredStrategy as MirroredStrategy
+from polydist._strategies.mirrored import OneDeviceStrategy as OneDeviceStrategy
 from polydist._strategies.replica_context import ReplicaContext as ReplicaContext
-from polydist._strategies.strategy import MirroredStrategy as MirroredStrategy
-from polydist._strategies.strategy import OneDeviceStrategy as OneDeviceStrategy
 from polydist._strategies.strategy import Strategy as Strategy
 from polydist._strategies.strategy import StrategyExtended as StrategyExtended
-from polydist._strategies.tpu_strategy import TPUStrategy as TPUStrategy
 from polydist._valuetypes.indexed_slices import IndexedSlices as IndexedSlices
 from polydist._valuetypes.values import DistributedValues as DistributedValues
 from polydist._valuetypes.values import Mirrored as Mirrored

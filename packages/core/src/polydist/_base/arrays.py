@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from polydist.errors import InvalidArgumentError
+
 __all__ = [
     "check_summable",
     "convert_to_array",
@@ -174,3 +176,16 @@ def describe(x: Any) -> str:
         shape = ",".join(str(int(d)) if d is not None else "?" for d in x.shape)
         return f"{dtype_name(x.dtype)}[{shape}]"
     return type(x).__name__
+
+
+def check_same_shape(components: Sequence[Any], what: str) -> None:
+    """Raises unless every replica's component has the first one's shape and dtype."""
+    first = components[0]
+    for r, c in enumerate(components[1:], start=1):
+        if tuple(c.shape) != tuple(first.shape) or c.dtype != first.dtype:
+            raise InvalidArgumentError(
+                f"Cannot {what} across replicas: replica 0 has {describe(first)} but replica {r} "
+                f"has {describe(c)}. With axis=None every replica's value must have the same "
+                "shape and dtype; to reduce values of different lengths pass an axis, e.g. "
+                "strategy.reduce(op, value, axis=0)."
+            )

@@ -44,11 +44,13 @@ import contextvars
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
+from polydist._base import context as _context
 from polydist._base.arrays import (
+    check_same_shape,
     check_summable,
     convert_to_array,
     describe,
@@ -60,7 +62,6 @@ from polydist._base.devices import HOST_DEVICE, canonicalize
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._collectives import trace as _trace
 from polydist._collectives.check import collective_intent
-from polydist._strategies import context as _context
 from polydist._valuetypes import indexed_slices as _indexed_slices
 from polydist._valuetypes.values import DistributedValues, Mirrored, PerReplica, regroup
 from polydist._valuetypes.variables import Variable, _read_operand, read_for_reduce
@@ -74,9 +75,6 @@ from polydist.backend._contract import (
 )
 from polydist.errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    from polydist._strategies.strategy import StrategyExtended
-
 __all__ = [
     "AllReduceCrossDeviceOps",
     "CollectiveAllReduce",
@@ -86,6 +84,17 @@ __all__ = [
     "ReductionToOneDevice",
     "ReplicaGroup",
 ]
+
+
+class StrategyExtended(_context.StrategyExtended, Protocol):
+    """What the reduce path needs of a ``polydist.StrategyExtended`` (which sits above)."""
+
+    _cross_device_ops: Any
+
+    @property
+    def _collective_ops(self) -> CrossDeviceOps: ...
+
+    def _replica_group(self, count: int) -> ReplicaGroup: ...
 
 
 # -- which backend computes ---------------------------------------------------------------
@@ -677,8 +686,6 @@ class CollectiveAllReduce(CrossDeviceOps):
         (gradient, variable) pairs), the values go to the engine together
         (`batch_reduce_over_group`: one collective per pack on torch and JAX). ``None``:
         the caller reduces them one by one (one process: always, as TF does)."""
-        from polydist._strategies.strategy import _check_same_shape
-
         n = len(extended._devices)
         group = extended._replica_group(n)
         if not group.across_processes or len(pairs) < 2:
@@ -700,7 +707,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                 return None  # TF: "not efficient"
             devices = here
             components = [convert_to_array(v) for v in value.values]
-            _check_same_shape(components, "reduce")
+            check_same_shape(components, "reduce")
             columns.append(components)
         assert devices is not None
         packing = bytes_per_pack(

@@ -1,1 +1,2 @@
-"""Clusters, multi-worker strategies, the multi-process kit and the local launcher."""
+"""Strategies that span workers or TPU hosts (MultiWorkerMirroredStrategy, TPUStrategy),
+the cluster rules they share, the multi-process kit and the local launcher."""

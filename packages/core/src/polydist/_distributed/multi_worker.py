@@ -39,8 +39,9 @@ from polydist._distributed.cluster import (
     normalize_cluster_spec,
     worker_count,
 )
+from polydist._strategies.mirrored import MirroredExtended
 from polydist._strategies.replica_context import ReplicaContext
-from polydist._strategies.strategy import MirroredExtended, Strategy
+from polydist._strategies.strategy import Strategy
 from polydist._valuetypes import nest as _nest
 from polydist._valuetypes.values import DistributedValues, Mirrored, select_replica
 from polydist.backend._contract import (

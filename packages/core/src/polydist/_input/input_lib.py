@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -40,40 +39,52 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, cast
 import numpy as np
 import optree
 
-from polydist._base.arrays import dtype_name, is_floating
+from polydist._base import context as _context
+from polydist._base.arrays import is_floating
 from polydist._base.devices import HOST_DEVICE, DeviceSpec
-from polydist._strategies import context as _context
 from polydist._valuetypes.values import DistributedValues, PerReplica
 from polydist.backend._contract import SupportsPlacePerReplica, features
+from polydist.data import _dataset
 from polydist.data._dataset import (
     INFINITE_CARDINALITY,
     Dataset,
-    _OptionsDataset,
-    _PrefetchDataset,
-    _ShardDataset,
-    _SpecInferenceError,
+    _IterableDataset,
     as_dataset,
 )
+from polydist.data._elements import _SpecInferenceError
 from polydist.data._input import (
     InputContext,
     InputOptions,
     InputReplicationMode,
-    validate_input_options,
 )
-from polydist.data._nest import Nest, flatten, map_structure
+from polydist.data._nest import Nest, map_structure
 from polydist.data._options import AutoShardPolicy
 from polydist.data._rebatch import (
-    _LegacyRebatchDataset,
     legacy_rebatch_slices,
     per_replica_batches_from_datasets,
     rebatch_and_shard,
 )
 from polydist.data._spec import TensorSpec
-from polydist.errors import InvalidArgumentError, OutOfRangeError
+from polydist.errors import OutOfRangeError
 
 if TYPE_CHECKING:
-    from polydist._strategies.strategy import Strategy
+    from polydist._base.context import Strategy
     from polydist.backend._contract import Backend
+from polydist._input.sources import (
+    _Calls,
+    _check_batched,
+    _check_generator_function,
+    _check_options,
+    _Collated,
+    _collated,
+    _legacy_split_input,
+)
+from polydist._input.specs import (
+    _END,
+    Optional,
+    PartialBatchWarning,
+    PerReplicaSpec,
+)
 
 __all__ = [
     "DistributedDataset",
@@ -87,7 +98,6 @@ __all__ = [
     "warn_if_partial_batch_mean",
 ]
 
-_END: Final = object()
 
 _NEXT_IN_REPLICA_MESSAGE = (
     "next(iterator) should be called from outside of replica_fn. e.g. "
@@ -123,108 +133,10 @@ _TRANSFORMATIONS: Final = frozenset(
 )
 
 
-class PartialBatchWarning(UserWarning):
-    """``strategy.reduce(MEAN, value, axis=None)`` averaged a NaN from an empty batch.
-
-    When the data run out unevenly, some replicas get an empty batch in the
-    last step (TF's partial-batch rule), and the mean over an empty batch is
-    NaN. Averaging per-replica means with ``axis=None`` then gives NaN (as in
-    TF, silently); polydist keeps the NaN and warns. Reduce per-example values
-    with ``axis=0`` instead, which divides by the true number of examples.
-    """
-
-
 # ------------------------------------------------------------------- element specs
 
 
-class PerReplicaSpec:
-    """The spec of a ``PerReplica``: one ``TensorSpec`` per replica (TF's ``PerReplicaSpec``)."""
-
-    __slots__ = ("_value_specs",)
-
-    def __init__(self, *value_specs: TensorSpec) -> None:
-        if not value_specs:
-            raise ValueError("PerReplicaSpec needs at least one value spec, got none.")
-        self._value_specs: tuple[TensorSpec, ...] = tuple(value_specs)
-
-    @property
-    def value_specs(self) -> tuple[TensorSpec, ...]:
-        """The spec of each replica's component, in replica order."""
-        return self._value_specs
-
-    @property
-    def num_replicas(self) -> int:
-        return len(self._value_specs)
-
-    def is_compatible_with(self, value: Any) -> bool:
-        """True if ``value`` (a ``PerReplica`` or a ``PerReplicaSpec``) fits this spec."""
-        if isinstance(value, PerReplicaSpec):
-            others = value.value_specs
-        elif isinstance(value, DistributedValues):
-            others = tuple(_spec_of_array(v) for v in value.values)
-        else:
-            return False
-        return len(others) == len(self._value_specs) and all(
-            mine.is_compatible_with(other) for mine, other in zip(self._value_specs, others)
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, PerReplicaSpec):
-            return NotImplemented
-        return self._value_specs == other._value_specs
-
-    def __hash__(self) -> int:
-        return hash(self._value_specs)
-
-    def __repr__(self) -> str:
-        return f"PerReplicaSpec({', '.join(map(repr, self._value_specs))})"
-
-
-def _spec_of_array(value: Any) -> TensorSpec:
-    shape = tuple(None if d is None else int(d) for d in value.shape)
-    try:
-        dtype = np.dtype(dtype_name(value.dtype))
-    except TypeError:  # e.g. bfloat16 has no NumPy dtype: it matches no TensorSpec
-        dtype = np.dtype(np.void)
-    return TensorSpec(shape, dtype)
-
-
 # --------------------------------------------------------------------- Optional
-
-
-class Optional:
-    """A value that may be absent, as ``tf.experimental.Optional``.
-
-    Returned by ``DistributedIterator.get_next_as_optional()``: empty at the
-    end of the data instead of raising.
-    """
-
-    __slots__ = ("_element_spec", "_value")
-
-    def __init__(self, value: Any, element_spec: Callable[[], Any]) -> None:
-        self._value = value
-        self._element_spec = element_spec
-
-    def has_value(self) -> bool:
-        """True if this optional holds a value."""
-        return self._value is not _END
-
-    def get_value(self) -> Any:
-        """The value; ``InvalidArgumentError`` if there is none."""
-        if self._value is _END:
-            raise InvalidArgumentError(
-                "The Optional does not have a value: the iterator reached the end of the data. "
-                "Check optional.has_value() before calling get_value()."
-            )
-        return self._value
-
-    @property
-    def element_spec(self) -> Any:
-        """The spec of the value this optional holds (or would hold)."""
-        return self._element_spec()
-
-    def __repr__(self) -> str:
-        return f"Optional(has_value={self.has_value()})"
 
 
 # ------------------------------------------------------------ strategy layout
@@ -247,9 +159,7 @@ class _Layout(NamedTuple):
 
 
 def _is_default_strategy(strategy: Strategy) -> bool:
-    from polydist._strategies.strategy import _DefaultExtended
-
-    return isinstance(strategy.extended, _DefaultExtended)
+    return _context.is_default_strategy(strategy)
 
 
 def _layout(strategy: Strategy) -> _Layout:
@@ -391,6 +301,7 @@ class DistributedDataset:
         spec_source: Callable[[], Nest],
         infinite: bool,
         cardinality: int,
+        passes: tuple[_IterableDataset, ...] = (),
     ) -> None:
         # Built only by this module's functions; the arguments are internal.
         self._strategy = strategy
@@ -405,6 +316,9 @@ class DistributedDataset:
         self._cardinality = cardinality
         self._spec_cache: Any = _END
         self._buffer_size = 1 if options is None else options.experimental_per_replica_buffer_size
+        # The plain re-iterables (DataLoaders) whose iter() each iteration calls
+        # when it is made, one entry per pass it reads, in the order of its reads.
+        self._passes = passes
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self)
@@ -494,9 +408,12 @@ class DistributedDataset:
             for i, leaf in enumerate(leaves):
                 if leaf.ndim == 0:
                     raise ValueError(
-                        "Cannot rebatch dataset: All components must have at least one "
-                        f"dimension. Perhaps your input dataset is not batched? Component {i} "
-                        "is scalar."
+                        "experimental_distribute_dataset splits every element along its first "
+                        f"(batch) dimension across the {n} replicas, but the input is not "
+                        f"batched: component {i} of its element is a scalar. Batch it with the "
+                        "global batch size first, e.g. dataset.batch(global_batch_size) or a "
+                        "DataLoader with batch_size, or give each replica its own pipeline with "
+                        "strategy.distribute_datasets_from_function."
                     )
                 size = leaf.shape[0]
                 slices = cache.get(size)
@@ -576,6 +493,11 @@ class DistributedIterator:
     def __init__(self, dataset: DistributedDataset) -> None:
         self._dataset = dataset
         self._strategy = dataset._strategy
+        # iter() of a plain re-iterable happens here, as iter(loader) would: a
+        # DataLoader draws its seed from torch's global RNG at that point.
+        self._begun: dict[int, collections.deque[Iterator[Nest]]] = {}
+        for source in dataset._passes:
+            self._begun.setdefault(id(source), collections.deque()).append(source.begin_pass())
         self._values: Iterator[tuple[Any, tuple[int, ...]]] | None = dataset._new_values()
         self._buffer: collections.deque[tuple[Any, tuple[int, ...]] | _Failure] = (
             collections.deque()
@@ -625,7 +547,8 @@ class DistributedIterator:
         assert self._values is not None
         entry: tuple[Any, tuple[int, ...]] | _Failure | None
         try:
-            entry = next(self._values, None)
+            with _reading_begun_passes(self._begun):
+                entry = next(self._values, None)
         except Exception as error:  # surfaced when the consumer reaches this step
             entry = _Failure(error)
         if entry is None or isinstance(entry, _Failure):
@@ -634,46 +557,22 @@ class DistributedIterator:
             self._buffer.append(entry)
 
 
-def _legacy_split_input(
-    pipelines: Sequence[Dataset], keep: tuple[int, ...] | None, num_replicas: int
-) -> Dataset | None:
-    """The input of a one-worker pipeline that is only a legacy split, else None.
-
-    rebatch_and_shard gives one worker prefetch / options / shard(1, 0) over a
-    RebatchDataset: all no-ops but the split (prefetch only reads ahead).
-    """
-    if len(pipelines) != 1 or keep is not None or num_replicas < 2:
-        return None
-    node = pipelines[0]
-    while True:
-        no_op_shard = isinstance(node, _ShardDataset) and (node.num_shards, node.index) == (1, 0)
-        if no_op_shard or isinstance(node, _PrefetchDataset | _OptionsDataset):
-            node = node._inputs[0]
-        elif isinstance(node, _LegacyRebatchDataset) and node.num_replicas == num_replicas:
-            return node._inputs[0]
-        else:
-            return None
+@contextlib.contextmanager
+def _reading_begun_passes(
+    begun: dict[int, collections.deque[Iterator[Nest]]],
+) -> Iterator[None]:
+    """While a step is read, an iteration's sources continue the passes it began."""
+    if not begun:
+        yield
+        return
+    token = _dataset.BEGUN_PASSES.set({**(_dataset.BEGUN_PASSES.get() or {}), **begun})
+    try:
+        yield
+    finally:
+        _dataset.BEGUN_PASSES.reset(token)
 
 
 # ---------------------------------------------------------------- entry points
-
-
-def _check_options(options: object, *, from_function: bool) -> InputOptions | None:
-    if options is not None and not isinstance(options, InputOptions):
-        raise TypeError(
-            f"options must be a polydist.data.InputOptions or None, got "
-            f"{type(options).__name__} {options!r}."
-        )
-    validate_input_options(options, from_function=from_function)
-    if options is not None:
-        buffer = options.experimental_per_replica_buffer_size
-        if isinstance(buffer, bool) or not isinstance(buffer, int | np.integer) or buffer < 0:
-            raise ValueError(
-                "InputOptions.experimental_per_replica_buffer_size must be an int >= 0 (the "
-                f"number of steps read ahead), got {buffer!r}."
-            )
-        options = options._replace(experimental_per_replica_buffer_size=int(buffer))
-    return options
 
 
 def _as_source(dataset: object, what: str) -> tuple[Dataset, bool]:
@@ -693,101 +592,16 @@ def _as_source(dataset: object, what: str) -> tuple[Dataset, bool]:
         )
     if callable(dataset) and not isinstance(dataset, Iterable):
         _check_generator_function(dataset, what)
-        generator = dataset
-        return Dataset.from_generator(lambda: map(_collated, generator())), True
+        return _IterableDataset(_Collated(_Calls(dataset))), True
     if isinstance(dataset, Iterator):  # one-shot: stays one
         return as_dataset(map(_collated, dataset)), True
     if isinstance(dataset, Iterable):
-        return as_dataset(_Collated(dataset)), True
+        free = isinstance(dataset, list | tuple)  # peeking at a list has no effects
+        return _IterableDataset(_Collated(dataset), free_to_read=free), True
     raise TypeError(
         f"{what} expects a polydist.data.Dataset, an iterable of batches or a generator "
         f"function, got {type(dataset).__name__} {dataset!r}."
     )
-
-
-def _plain_scalars(value: object) -> bool:
-    """A Python (or NumPy) scalar, or a (nested) list of them: one array in tf.data."""
-    if isinstance(value, list):
-        return all(_plain_scalars(v) for v in value)
-    return isinstance(value, bool | int | float | complex | str | bytes | np.generic)
-
-
-def _collated(element: Any) -> Any:
-    """A plain iterable's batch, reading a list that holds arrays as a structure.
-
-    torch's ``default_collate`` makes the batches of a dataset of tuples (a
-    ``TensorDataset``) *lists* of tensors, ``[x, y]``, where tf.data's nest
-    would read a list as one array (stacking ``x`` and ``y``, or failing when
-    their shapes differ). So in the batches of a plain iterable (a torch
-    ``DataLoader``, a list, a generator) a list whose items are arrays or nests
-    is a tuple; a list of Python numbers (or of such lists) stays one array, as
-    in tf.data. Returns ``element`` itself when it holds no such list.
-    """
-    if isinstance(element, list):
-        if _plain_scalars(element):
-            return element
-        return tuple(_collated(v) for v in element)
-    if isinstance(element, tuple):
-        items = [_collated(v) for v in element]
-        if all(a is b for a, b in zip(items, element)):
-            return element
-        return type(element)(*items) if hasattr(element, "_fields") else tuple(items)
-    if isinstance(element, dict):
-        changed = {k: _collated(v) for k, v in element.items()}
-        if all(changed[k] is v for k, v in element.items()):
-            return element
-        try:
-            return type(element)(changed)
-        except TypeError:  # e.g. a defaultdict
-            return changed
-    return element
-
-
-class _Collated:
-    """A re-iterable plain source whose batches go through :func:`_collated`."""
-
-    __slots__ = ("_source",)
-
-    def __init__(self, source: Iterable[Any]) -> None:
-        self._source = source
-
-    def __iter__(self) -> Iterator[Any]:
-        return map(_collated, self._source)
-
-
-def _check_generator_function(fn: Callable[..., Any], what: str) -> None:
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # builtins without a signature: just call it
-        return
-    required = [
-        p
-        for p in signature.parameters.values()
-        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    if required:
-        raise TypeError(
-            f"{what} got a function that takes arguments ({', '.join(p.name for p in required)}). "
-            "A generator function given here is called with no arguments; a function of an "
-            "InputContext belongs in strategy.distribute_datasets_from_function(dataset_fn)."
-        )
-
-
-def _check_batched(source: Dataset, num_replicas: int) -> None:
-    try:
-        spec = source.element_spec
-    except _SpecInferenceError:  # an empty source: there is nothing to split
-        return
-    leaves, _ = flatten(spec)
-    scalars = [i for i, leaf in enumerate(leaves) if leaf.rank == 0]
-    if scalars:
-        raise ValueError(
-            "experimental_distribute_dataset splits every element along its first (batch) "
-            f"dimension across the {num_replicas} replicas, but the dataset is not batched: its "
-            f"element_spec is {spec!r}, with scalar component(s) {scalars}. Batch it with the "
-            "global batch size first, e.g. dataset.batch(global_batch_size), or give each "
-            "replica its own pipeline with strategy.distribute_datasets_from_function."
-        )
 
 
 def distribute_dataset(
@@ -851,6 +665,7 @@ def distribute_dataset(
         lambda: own.element_spec,
         cardinality == INFINITE_CARDINALITY,
         cardinality,
+        (source,) * len(pipelines) if isinstance(source, _IterableDataset) else (),
     )
 
 
@@ -910,6 +725,7 @@ def distribute_datasets_from_function(
         lambda: own.element_spec,
         infinite,
         own.cardinality(),  # TF: its first (this worker's) dataset's
+        tuple(p for p in pipelines if isinstance(p, _IterableDataset)),
     )
 
 

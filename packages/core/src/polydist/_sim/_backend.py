@@ -13,7 +13,8 @@ from typing import Any, Literal
 import numpy as np
 
 from polydist._sim._reduction import REDUCTION_ORDERS, ReductionOrder, sum_replicas
-from polydist.backend import Capabilities, EagerReplicaRunner
+from polydist._strategies.eager import EagerReplicaRunner
+from polydist.backend._contract import Capabilities
 from polydist.cluster_resolver import set_accelerator_device_lister
 
 __all__ = ["MAX_DEVICES", "SimBackend"]

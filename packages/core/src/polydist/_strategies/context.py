@@ -1,25 +1,37 @@
-"""Per-thread context: which strategy is current, and replica vs cross-replica.
+"""The per-thread context (:mod:`polydist._base.context`) with the concrete types.
 
-Mirrors TF's ``distribute_lib`` modes. There are three:
-
-* default: no strategy scope entered. ``get_strategy()`` is the default
-  strategy and ``get_replica_context()`` is its default replica context.
-* cross-replica: inside ``strategy.scope()`` (or a ``merge_call``'s
-  ``merge_fn``). ``get_replica_context()`` is ``None``.
-* replica: inside the function given to ``strategy.run``.
+``polydist.get_strategy`` and friends are these functions: the stack of modes itself
+lives below the strategies, which every layer asks where it is; here its answers are
+typed as ``Strategy`` and ``ReplicaContext``.
 """
 
 from __future__ import annotations
 
-import contextvars
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
+
+from polydist._base.context import CROSS_REPLICA_MESSAGE as CROSS_REPLICA_MESSAGE
+from polydist._base.context import _get_default_mode as _get_default_mode
+from polydist._base.context import _Mode as _Mode
+from polydist._base.context import current_mode as current_mode
+from polydist._base.context import current_replica_index as current_replica_index
+from polydist._base.context import experimental_set_strategy as experimental_set_strategy
+from polydist._base.context import has_strategy as has_strategy
+from polydist._base.context import in_cross_replica_context as in_cross_replica_context
+from polydist._base.context import is_default_mode as is_default_mode
+from polydist._base.context import mode as mode
+from polydist._base.context import pop_mode as pop_mode
+from polydist._base.context import push_mode as push_mode
+from polydist._base.context import (
+    require_cross_replica_or_default_context as require_cross_replica_or_default_context,
+)
+from polydist._base.context import require_replica_context as require_replica_context
+from polydist._base.context import wrong_strategy_scope as wrong_strategy_scope
 
 if TYPE_CHECKING:
     from polydist._strategies.replica_context import ReplicaContext
     from polydist._strategies.strategy import Strategy
+
+from polydist._base import context as _base
 
 __all__ = [
     "experimental_set_strategy",
@@ -30,95 +42,11 @@ __all__ = [
     "in_cross_replica_context",
 ]
 
-CROSS_REPLICA_MESSAGE = (
-    "Method requires being in cross-replica context, use get_replica_context().merge_call()"
-)
-
-
-class _Mode:
-    __slots__ = ("cross_replica_context", "replica_context", "strategy")
-
-    def __init__(
-        self,
-        strategy: Strategy,
-        replica_context: ReplicaContext | None,
-        cross_replica_context: Strategy | None,
-    ) -> None:
-        self.strategy = strategy
-        self.replica_context = replica_context
-        self.cross_replica_context = cross_replica_context
-
-
-class _ThreadState(threading.local):
-    def __init__(self) -> None:
-        self.global_scope: Any = None
-
-
-_state = _ThreadState()
-# A context variable, not a thread-local: each replica (a greenlet or a thread)
-# has its own stack of modes.
-_stack: contextvars.ContextVar[tuple[_Mode, ...]] = contextvars.ContextVar(
-    "polydist_mode_stack", default=()
-)
-_default_lock = threading.Lock()
-_default_mode: _Mode | None = None
-
-
-def _get_default_mode() -> _Mode:
-    global _default_mode
-    if _default_mode is None:
-        with _default_lock:
-            if _default_mode is None:
-                from polydist._strategies.strategy import _make_default_strategy
-
-                strategy = _make_default_strategy()
-                from polydist._strategies.replica_context import _DefaultReplicaContext
-
-                _default_mode = _Mode(strategy, _DefaultReplicaContext(strategy), None)
-    return _default_mode
-
-
-def current_mode() -> _Mode:
-    """The active mode: its ``strategy``, ``replica_context`` (``None`` in cross-replica
-    context) and ``cross_replica_context`` (the strategy there, else ``None``)."""
-    stack = _stack.get()
-    return stack[-1] if stack else _get_default_mode()
-
-
-def push_mode(mode: _Mode) -> None:
-    _stack.set((*_stack.get(), mode))
-
-
-def pop_mode() -> None:
-    _stack.set(_stack.get()[:-1])
-
-
-@contextmanager
-def mode(
-    strategy: Strategy,
-    replica_context: ReplicaContext | None,
-    cross_replica_context: Strategy | None,
-) -> Iterator[None]:
-    push_mode(_Mode(strategy, replica_context, cross_replica_context))
-    try:
-        yield
-    finally:
-        pop_mode()
-
-
-def is_default_mode(m: _Mode) -> bool:
-    return not _stack.get() or m is _get_default_mode()
-
 
 def get_strategy() -> Strategy:
     """Returns the current strategy: the one whose scope (or ``run``) we are in,
     else the default strategy."""
-    return current_mode().strategy
-
-
-def has_strategy() -> bool:
-    """True when inside a non-default strategy's scope or ``run``."""
-    return bool(_stack.get()) and current_mode().strategy is not _get_default_mode().strategy
+    return cast("Strategy", _base.get_strategy())
 
 
 def get_replica_context() -> ReplicaContext | None:
@@ -127,12 +55,7 @@ def get_replica_context() -> ReplicaContext | None:
     In the default context (no scope) this is the default replica context,
     whose ``num_replicas_in_sync`` is 1.
     """
-    return current_mode().replica_context
-
-
-def in_cross_replica_context() -> bool:
-    """True inside ``strategy.scope()`` but outside ``run``, or inside ``merge_fn``."""
-    return current_mode().cross_replica_context is not None
+    return cast("ReplicaContext | None", _base.get_replica_context())
 
 
 def get_cross_replica_context() -> Strategy | None:
@@ -140,65 +63,4 @@ def get_cross_replica_context() -> Strategy | None:
 
     TF keeps this as internal API; polydist exports it because it is handy.
     """
-    return current_mode().cross_replica_context
-
-
-def current_replica_index() -> int | None:
-    """The integer id of the current replica, or ``None`` outside replica context."""
-    ctx = current_mode().replica_context
-    if ctx is None:
-        return None
-    return ctx._replica_index
-
-
-def experimental_set_strategy(strategy: Strategy | None) -> None:
-    """Sets (or with ``None`` clears) the current strategy without a ``with`` block.
-
-    Like ``with strategy.scope():`` for the rest of the program on this
-    thread. Raises ``RuntimeError`` if called inside a strategy's scope.
-    """
-    old = _state.global_scope
-    if old is not None:
-        old.__exit__(None, None, None)
-        _state.global_scope = None
-    if has_strategy():
-        raise RuntimeError("Must not be called inside a `tf.distribute.Strategy` scope.")
-    if strategy is not None:
-        scope = strategy.scope()
-        scope.__enter__()
-        _state.global_scope = scope
-
-
-def require_cross_replica_or_default_context(
-    strategy: Strategy, message: str | None = None
-) -> None:
-    """Raises TF's errors unless in ``strategy``'s cross-replica context or the default context."""
-    m = current_mode()
-    if m.cross_replica_context is strategy:
-        return
-    if is_default_mode(m):
-        return
-    if m.strategy is not strategy:
-        wrong_strategy_scope(strategy, m)
-    raise RuntimeError(message or CROSS_REPLICA_MESSAGE)
-
-
-def require_replica_context(replica_ctx: ReplicaContext) -> None:
-    m = current_mode()
-    if m.replica_context is replica_ctx:
-        return
-    if m.replica_context is None:
-        raise RuntimeError("Need to be inside `call_for_each_replica()`")
-    if m.strategy is replica_ctx.strategy:
-        raise RuntimeError("Mismatching ReplicaContext.")
-    raise RuntimeError(
-        f"Mismatching tf.distribute.Strategy objects: {m.strategy} is not {replica_ctx.strategy}."
-    )
-
-
-def wrong_strategy_scope(strategy: Strategy, m: _Mode) -> None:
-    if not has_strategy():
-        raise RuntimeError(f'Need to be inside "with strategy.scope()" for {strategy}')
-    raise RuntimeError(
-        f"Mixing different tf.distribute.Strategy objects: {m.strategy} is not {strategy}"
-    )
+    return cast("Strategy | None", _base.get_cross_replica_context())

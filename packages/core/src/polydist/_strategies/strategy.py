@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from polydist._base.arrays import (
+    check_same_shape,
     check_summable,
     convert_to_array,
     describe,
@@ -24,7 +25,9 @@ from polydist._collectives import trace as _trace
 from polydist._strategies import context as _context
 from polydist._strategies import eager as _eager
 from polydist._strategies.extended_mixin import ExtendedVariablesMixin
-from polydist._strategies.replica_context import ReplicaContext, _check_gather_axis
+from polydist._strategies.replica_context import (
+    _check_gather_axis,
+)
 from polydist._valuetypes import indexed_slices as _indexed_slices
 from polydist._valuetypes import nest as _nest
 from polydist._valuetypes import variables as _variables
@@ -45,7 +48,7 @@ if TYPE_CHECKING:
     from polydist._input.input_lib import DistributedDataset
     from polydist.data import InputContext, InputOptions
 
-__all__ = ["MirroredStrategy", "OneDeviceStrategy", "Strategy", "StrategyExtended"]
+__all__ = ["Strategy", "StrategyExtended"]
 
 _GATHER_MESSAGE = (
     "tf.distribute.Strategy.gather method requires cross-replica context, use "
@@ -249,7 +252,7 @@ class StrategyExtended(ExtendedVariablesMixin):
         if any(isinstance(v, IndexedSlices) for v in value.values):
             return self._reduce_indexed_slices(reduce_op, value.values, destinations)
         components = [convert_to_array(v) for v in value.values]
-        _check_same_shape(components, "reduce")
+        check_same_shape(components, "reduce")
         if len(components) == 1 and not self._replica_group(1).across_processes:
             return self._to_destinations(components[0], destinations)
         if self._cross_device_ops is not None:  # TF: the strategy's CrossDeviceOps reduces
@@ -669,18 +672,6 @@ def _equals_zero(x: Any) -> bool:
         return False
 
 
-def _check_same_shape(components: Sequence[Any], what: str) -> None:
-    first = components[0]
-    for r, c in enumerate(components[1:], start=1):
-        if tuple(c.shape) != tuple(first.shape) or c.dtype != first.dtype:
-            raise InvalidArgumentError(
-                f"Cannot {what} across replicas: replica 0 has {describe(first)} but replica {r} "
-                f"has {describe(c)}. With axis=None every replica's value must have the same "
-                "shape and dtype; to reduce values of different lengths pass an axis, e.g. "
-                "strategy.reduce(op, value, axis=0)."
-            )
-
-
 def _check_gather_shapes(components: Sequence[Any], axis: int, *, same_shape: bool) -> None:
     first = components[0]
     rank = len(first.shape)
@@ -737,116 +728,3 @@ def _resolve_devices(backend: Backend, devices: Any) -> tuple[str, ...]:
         raise ValueError(f"No duplicates allowed in `devices` argument: {devices}")
     backend.validate_devices(canonical)
     return canonical
-
-
-class MirroredExtended(StrategyExtended):
-    """``StrategyExtended`` of ``MirroredStrategy``."""
-
-
-class MirroredStrategy(Strategy):
-    """Synchronous training on several devices of one machine.
-
-    One replica per device; variables are mirrored and gradients all-reduced.
-
-    Args:
-        devices: device strings (``["/gpu:0", "/gpu:1"]``). ``None`` uses all
-            the backend's accelerators, or the CPU if it has none. An ``int``
-            N (a polydist extension) takes the backend's first N accelerators:
-            on the simulator ``MirroredStrategy(8)`` gives 8 virtual GPUs.
-        cross_device_ops: a ``CrossDeviceOps`` choosing the all-reduce algorithm
-            (on the simulator, the summation order: see ``polydist._collectives.cross_device_ops``;
-            a backend object passed explicitly keeps its own order).
-        backend: a backend name or object; else ``$POLYDIST_BACKEND``, else ``sim``.
-    """
-
-    # The compat.v1 strategy subclasses build their StrategyExtended subclass here.
-    _extended_class: ClassVar[type[MirroredExtended]] = MirroredExtended
-
-    def __init__(
-        self,
-        devices: Sequence[str] | int | None = None,
-        cross_device_ops: Any = None,
-        *,
-        backend: str | Backend | None = None,
-    ) -> None:
-        ops = _cross_device_ops.check_cross_device_ops(cross_device_ops)
-        resolved = _cross_device_ops.backend_for(get_backend(backend), ops)
-        canonical = _resolve_devices(resolved, devices)
-        super().__init__(self._extended_class(self, resolved, canonical, cross_device_ops=ops))
-
-
-class OneDeviceExtended(StrategyExtended):
-    """``StrategyExtended`` of ``OneDeviceStrategy``: one replica, no communication."""
-
-    _distributed_variables = False  # TF: plain variables on the device
-
-    def _call_for_each_replica(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        strategy = self._container_strategy()
-        device = self._devices[0]
-        replica_id = self._backend.place(np.asarray(0, dtype=np.int32), device)
-        with (
-            ReplicaContext(strategy, replica_id, replica_index=0),
-            self._backend.device_scope(device),
-        ):
-            return fn(*args, **kwargs)
-
-
-class OneDeviceStrategy(Strategy):
-    """Runs everything on one device: a single replica, placed on ``device``."""
-
-    _extended_class: ClassVar[type[OneDeviceExtended]] = OneDeviceExtended  # see MirroredStrategy
-
-    def __init__(self, device: str, *, backend: str | Backend | None = None) -> None:
-        resolved = get_backend(backend)
-        canonical = canonicalize(device)
-        resolved.validate_devices((canonical,))
-        super().__init__(self._extended_class(self, resolved, (canonical,)))
-
-
-class _DefaultExtended(StrategyExtended):
-    """The default strategy: no distribution, everything happens in place."""
-
-    def _call_for_each_replica(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        strategy = self._container_strategy()
-        with ReplicaContext(strategy, np.asarray(0, dtype=np.int32), replica_index=0):
-            return fn(*args, **kwargs)
-
-    def _reduce_to(self, reduce_op: ReduceOp, value: Any, destinations: Any) -> Any:
-        value = _variables.read_for_reduce(value)
-        if isinstance(value, DistributedValues):
-            return value.values[0]
-        return value
-
-    def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
-        return value
-
-    @property
-    def worker_devices(self) -> tuple[str, ...]:
-        raise RuntimeError("worker_devices() method unsupported by default tf.distribute.Strategy.")
-
-    @property
-    def parameter_devices(self) -> tuple[str, ...]:
-        raise RuntimeError(
-            "parameter_devices() method unsupported by default tf.distribute.Strategy."
-        )
-
-
-class _DefaultDistributionStrategy(Strategy):
-    @contextmanager
-    def _scope_impl(self) -> Iterator[Strategy]:
-        if _context.has_strategy():
-            raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
-        yield self
-
-    def __repr__(self) -> str:
-        return "<default polydist strategy>"
-
-
-def _make_default_strategy() -> Strategy:
-    strategy = _DefaultDistributionStrategy.__new__(_DefaultDistributionStrategy)
-    Strategy.__init__(strategy, _DefaultExtended(strategy, None, (HOST_DEVICE,)))
-    return strategy

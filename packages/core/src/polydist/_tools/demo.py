@@ -9,7 +9,7 @@ import numpy as np
 
 from polydist._base.reduce_op import ReduceOp
 from polydist._strategies.context import get_replica_context
-from polydist._strategies.strategy import MirroredStrategy
+from polydist._strategies.mirrored import MirroredStrategy
 from polydist.backend._contract import SupportsReductionOrder, features
 
 FEATURES = 16

@@ -55,7 +55,7 @@ class DistributedValues:
 
     def _get(self) -> Any:
         """The component of the current replica; cross-replica access is subclass-defined."""
-        from polydist._strategies.context import current_replica_index
+        from polydist._base.context import current_replica_index
 
         index = current_replica_index()
         if index is None:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from polydist._collectives.cross_device_ops import CrossDeviceOps
     from polydist._strategies.eager import EagerReplicaRunner
     from polydist._strategies.strategy import Strategy
-    from polydist.cluster_resolver import ClusterResolver
+    from polydist.cluster_resolver._base import ClusterResolver
     from polydist.tpu import LocalTPUSystem
 
 __all__ = [

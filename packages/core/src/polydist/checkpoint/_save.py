@@ -32,7 +32,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -227,8 +227,8 @@ def _collect(obj: Any, what: str) -> tuple[list[tuple[str, Variable]], Strategy 
 
 def _owner(items: list[tuple[str, Variable]]) -> Strategy | None:
     owners = {id(s): s for _, v in items if (s := v.distribute_strategy) is not None}
-    if len(owners) == 1:
-        return next(iter(owners.values()))
+    if len(owners) == 1:  # a variable knows its strategy by the context's protocol
+        return cast(Strategy, next(iter(owners.values())))
     return _context.get_strategy()
 
 

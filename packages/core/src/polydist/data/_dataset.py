@@ -13,16 +13,30 @@ from __future__ import annotations
 import abc
 import builtins
 import collections
+import contextvars
 import copy
 import itertools
-import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Final
 
 import numpy as np
 from numpy.typing import DTypeLike
 
+from polydist.data._elements import (
+    FilePaths,
+    _as_bool,
+    _call,
+    _check_batched,
+    _check_signature,
+    _conform,
+    _filename_tuple,
+    _frozen,
+    _probe,
+    _read_lines,
+    _SpecInferenceError,
+    _stack,
+)
 from polydist.data._nest import Nest, flatten, map_structure, to_array, unflatten
 from polydist.data._options import Options
 from polydist.data._spec import TensorSpec, common_spec, spec_of, with_unknown_dims
@@ -47,116 +61,6 @@ SHARD_HINT: Final = -1
 
 _UNSET: Final = object()
 _END: Final = object()
-
-FilePaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
-
-
-class _SpecInferenceError(ValueError):
-    """An element_spec cannot be inferred (an empty source without a signature)."""
-
-
-def _frozen(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """A read-only copy: dataset values are snapshots, like TF constants."""
-    result = np.array(array, copy=True)
-    result.setflags(write=False)
-    return result
-
-
-def _call(fn: Callable[..., Any], element: Nest) -> Any:
-    # tf.data unpacks exactly `tuple` elements into positional arguments;
-    # namedtuples and dicts are passed as one argument.
-    return fn(*element) if type(element) is tuple else fn(element)
-
-
-def _conform(value: Nest, signature: Nest | None, producer: str) -> Nest:
-    """Convert a produced element, checking it against ``signature`` when given."""
-    if signature is None:
-        return map_structure(to_array, value)
-    spec_leaves, spec_tree = flatten(signature)
-    try:
-        leaves = spec_tree.flatten_up_to(value)
-    except (ValueError, TypeError) as error:
-        raise TypeError(
-            f"{producer} yielded an element that did not match the expected structure. "
-            f"The expected structure was {signature!r}, but the yielded element was {value!r}."
-        ) from error
-    arrays = []
-    for spec, leaf in zip(spec_leaves, leaves):
-        array = to_array(leaf)
-        if spec.dtype.kind in "US":  # strings: any length of the same kind
-            convertible = array.dtype.kind == spec.dtype.kind
-        else:
-            convertible = array.dtype.kind not in "US" and np.can_cast(
-                array.dtype, spec.dtype, casting="same_kind"
-            )
-        if not convertible:
-            raise TypeError(
-                f"{producer} yielded an element that could not be converted to the expected "
-                f"type. The expected type was {spec.dtype}, but the yielded element was "
-                f"{leaf!r} of dtype {array.dtype}."
-            )
-        if spec.dtype.kind not in "US":
-            array = array.astype(spec.dtype, copy=False)
-        if not spec.is_compatible_with(TensorSpec(array.shape, spec.dtype)):
-            raise ValueError(
-                f"{producer} yielded an element of shape {array.shape} where an element of "
-                f"shape {spec.shape} was expected."
-            )
-        arrays.append(array)
-    return unflatten(spec_tree, arrays)
-
-
-def _check_signature(signature: Nest) -> Nest:
-    leaves, _ = flatten(signature)
-    for leaf in leaves:
-        if not isinstance(leaf, TensorSpec):
-            raise TypeError(
-                "output_signature must be a nest of polydist.data.TensorSpec, "
-                f"found {leaf!r}; e.g. TensorSpec(shape=(None,), dtype=np.int64)."
-            )
-    return signature
-
-
-def _check_batched(leaves: list[np.ndarray[Any, Any]]) -> int:
-    """Leading size shared by all components (TF's unbatch/rebatch input checks)."""
-    for leaf in leaves:
-        if leaf.ndim == 0:
-            raise ValueError("Input element must have a non-scalar value in each component.")
-    for i, leaf in enumerate(leaves):
-        if leaf.shape[0] != leaves[0].shape[0]:
-            raise ValueError(
-                "Input element must have the same batch size in each component. "
-                f"Component 0 had size {leaves[0].shape[0]} but component {i} had size, "
-                f"{leaf.shape[0]}."
-            )
-    return int(leaves[0].shape[0]) if leaves else 0
-
-
-def _stack(elements: list[Nest]) -> Nest:
-    flat = [flatten(element) for element in elements]
-    treespec = flat[0][1]
-    components = []
-    for i in builtins.range(len(flat[0][0])):
-        parts = [leaves[i] for leaves, _ in flat]
-        for j, part in enumerate(parts):
-            if part.shape != parts[0].shape:
-                raise ValueError(
-                    f"Cannot batch tensors with different shapes in component {i}. First "
-                    f"element had shape {parts[0].shape} and element {j} had shape "
-                    f"{part.shape}; map() the elements to one shape before batching."
-                )
-        components.append(np.stack(parts))
-    return unflatten(treespec, components)
-
-
-def _probe(spec: Nest, fill: int, unknown_size: int) -> Nest:
-    """A synthetic element matching ``spec`` (unknown dims get ``unknown_size``)."""
-
-    def make(leaf: TensorSpec) -> np.ndarray[Any, Any]:
-        shape = tuple(unknown_size if d is None else d for d in leaf.shape)
-        return np.full(shape, fill).astype(leaf.dtype)
-
-    return map_structure(make, spec)
 
 
 class Dataset(abc.ABC):
@@ -462,12 +366,6 @@ class Dataset(abc.ABC):
         return _PrefetchDataset(self, int(buffer_size))
 
 
-def _filename_tuple(filenames: FilePaths) -> tuple[str, ...]:
-    if isinstance(filenames, str | os.PathLike):
-        return (os.fspath(filenames),)
-    return tuple(os.fspath(name) for name in filenames)
-
-
 # ---------------------------------------------------------------------- sources
 
 
@@ -600,17 +498,6 @@ class _FileDataset(_ProducedDataset):
         clone._filenames = filenames
         clone._spec_cache = _UNSET
         return clone
-
-
-def _read_lines(filename: str) -> Iterator[str]:
-    # TF's TextLineDataset splits on "\n" and drops one trailing "\r".
-    with open(filename, "rb") as handle:
-        data = handle.read()
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    for line in lines:
-        yield line.removesuffix(b"\r").decode("utf-8")
 
 
 class TextLineDataset(_FileDataset):
@@ -795,16 +682,6 @@ class _MapDataset(Dataset):
         return with_unknown_dims(spec_of(self._apply(element)))
 
 
-def _as_bool(value: object) -> bool:
-    if isinstance(value, bool | np.bool_):
-        return bool(value)
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype == np.bool_:
-        return bool(value)
-    raise ValueError(
-        f"Invalid `predicate`. `predicate` must return a scalar boolean, but it returned {value!r}."
-    )
-
-
 class _FilterDataset(Dataset):
     _op_name = "FilterDataset"
     _passes_file_sharding = True
@@ -978,11 +855,84 @@ class _IteratorDataset(_ProducedDataset):
         return with_unknown_dims(spec_of(map_structure(to_array, first)))
 
 
+# The passes over plain iterables that the reader running now began ahead, by
+# id of the _IterableDataset: a DistributedIterator calls iter() on its sources
+# when it is made, as iter() of the source itself would, and its reads take them.
+BEGUN_PASSES: contextvars.ContextVar[Mapping[int, collections.deque[Iterator[Nest]]] | None] = (
+    contextvars.ContextVar("BEGUN_PASSES", default=None)
+)
+
+
+class _IterableDataset(_ProducedDataset):
+    """A re-iterable (a list, a torch ``DataLoader``) as a source: each pass is one ``iter()``.
+
+    Reading it never begins a pass of its own: inferring the spec reads the
+    first element of the pass that the next iteration continues, and once a
+    pass has produced an element the spec comes from that element. So a
+    ``DataLoader`` that shuffles draws one permutation (and moves torch's
+    global RNG) per iteration the user asks for, as without polydist.
+    """
+
+    _op_name = "GeneratorDataset"
+    _producer = "`iterable`"
+
+    def __init__(self, iterable: Iterable[Nest], *, free_to_read: bool | None = None) -> None:
+        super().__init__(None)
+        self._iterable = iterable
+        # Whether a pass has no effects (a list); by default, for a list or tuple.
+        self._free_to_read = (
+            isinstance(iterable, list | tuple) if free_to_read is None else free_to_read
+        )
+        self._peeked: tuple[Iterator[Nest], object] | None = None
+
+    @property
+    def peek_begins_a_pass(self) -> bool:
+        """Whether inferring the spec now would call ``iter()`` on the source.
+
+        False for a list or tuple (reading one has no effects) and once the
+        spec is known.
+        """
+        known = self._spec_cache is not _UNSET or self._peeked is not None
+        return not known and not self._free_to_read
+
+    def begin_pass(self) -> Iterator[Nest]:
+        """``iter()`` of the source, now: the pass a spec peek began, else a new one."""
+        if self._peeked is not None:
+            iterator, first = self._peeked
+            self._peeked = None
+            return iterator if first is _END else itertools.chain([first], iterator)
+        return iter(self._iterable)
+
+    def _produce(self) -> Iterator[Nest]:
+        passes = BEGUN_PASSES.get()
+        begun = None if passes is None else passes.get(id(self))
+        yield from begun.popleft() if begun else self.begin_pass()
+
+    def _iterate(self) -> Iterator[Nest]:
+        for value in super()._iterate():
+            if self._spec_cache is _UNSET:  # known from the data read: no peek later
+                self._spec_cache = with_unknown_dims(spec_of(value))
+            yield value
+
+    def _compute_element_spec(self) -> Nest:
+        if self._peeked is None:
+            iterator = self.begin_pass()
+            self._peeked = (iterator, next(iterator, _END))
+        first = self._peeked[1]
+        if first is _END:
+            raise _SpecInferenceError(
+                f"Cannot infer the element_spec of {self._op_name}: the iterable produced no "
+                "element."
+            )
+        return with_unknown_dims(spec_of(_conform(first, None, self._producer)))
+
+
 def as_dataset(source: object) -> Dataset:
     """``source`` itself if it is a Dataset, else a generator source over the iterable.
 
-    A re-iterable (a list, a data loader) is read afresh on each iteration; a
-    one-shot iterator is read once.
+    A re-iterable (a list, a data loader) is read afresh on each iteration,
+    with one ``iter()`` of it per pass (see ``_IterableDataset``); a one-shot
+    iterator is read once.
     """
     if isinstance(source, Dataset):
         return source
@@ -993,5 +943,4 @@ def as_dataset(source: object) -> Dataset:
             f"Expected a polydist.data.Dataset or an iterable of elements, got "
             f"{type(source).__name__}."
         )
-    iterable: Iterable[Nest] = source
-    return _GeneratorDataset(lambda: iter(iterable), None)
+    return _IterableDataset(source)

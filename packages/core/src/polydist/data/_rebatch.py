@@ -39,14 +39,14 @@ from polydist.data._dataset import (
     UNKNOWN_CARDINALITY,
     Dataset,
     _BatchDataset,
-    _check_batched,
     _FileDataset,
+    _IterableDataset,
     _OptionsDataset,
     _PrefetchDataset,
     _ShardDataset,
-    _SpecInferenceError,
     as_dataset,
 )
+from polydist.data._elements import _check_batched, _SpecInferenceError
 from polydist.data._nest import Nest, flatten, map_structure, to_array, unflatten
 from polydist.data._options import AutoShardPolicy
 from polydist.data._spec import TensorSpec, empty_batch, leading_dims
@@ -92,8 +92,8 @@ def compute_batch_size(dataset: object) -> int:
     options) to a ``batch``, whose size is returned; any other op first (map,
     unbatch, a source) gives -1. Anything that is not a ``Dataset`` is -1.
     """
-    if not isinstance(dataset, Dataset):
-        return -1
+    if not isinstance(dataset, Dataset) or isinstance(dataset, _IterableDataset):
+        return -1  # a plain iterable's spec has unknown dims: no need to read it
     try:
         dims = leading_dims(dataset.element_spec)
     except _SpecInferenceError:
@@ -515,8 +515,11 @@ def rebatch_and_shard(
             source = _RebatchV2Dataset(source, sizes)
         else:
             legacy = _LegacyRebatchDataset(source, num_replicas)
-            with contextlib.suppress(_SpecInferenceError):
-                _ = legacy.element_spec  # TF's ValueError for unbatched (scalar) elements
+            # TF's ValueError for unbatched (scalar) elements; a source that a peek
+            # would begin a pass of (a DataLoader's shuffle) is checked as it is read.
+            if not (isinstance(source, _IterableDataset) and source.peek_begins_a_pass):
+                with contextlib.suppress(_SpecInferenceError):
+                    _ = legacy.element_spec
             source = legacy
         source = source.prefetch(replicas_per_worker)
     return auto_shard_dataset(source, num_workers, worker_index, num_replicas, policy)

@@ -12,11 +12,10 @@ beside a JSON manifest, saved atomically.
 from polydist.train._checkpoint import (
     Checkpoint,
     CheckpointLoadStatus,
-    CheckpointManager,
     InitializationOnlyStatus,
-    latest_checkpoint,
     register_checkpointable,
 )
+from polydist.train._manager import CheckpointManager, latest_checkpoint
 
 __all__ = [
     "Checkpoint",

@@ -24,22 +24,22 @@ mode), an iterator's ``initialize()`` restarts it and returns ``[]``, and a
 session config is a dict of ``ConfigProto`` fields.
 """
 
-from polydist._strategies.compat_v1 import (
-    CollectiveAllReduceStrategyV1 as MultiWorkerMirroredStrategy,
-)
-from polydist._strategies.compat_v1 import InputIterator as InputIterator
-from polydist._strategies.compat_v1 import MirroredStrategyV1 as MirroredStrategy
-from polydist._strategies.compat_v1 import MultiStepContext as MultiStepContext
-from polydist._strategies.compat_v1 import OneDeviceStrategyV1 as OneDeviceStrategy
-from polydist._strategies.compat_v1 import StrategyExtendedV1 as StrategyExtended
-from polydist._strategies.compat_v1 import StrategyV1 as Strategy
-from polydist._strategies.compat_v1 import TPUStrategyV1 as TPUStrategy
 from polydist._strategies.context import experimental_set_strategy as experimental_set_strategy
 from polydist._strategies.context import get_replica_context as get_replica_context
 from polydist._strategies.context import get_strategy as get_strategy
 from polydist._strategies.context import has_strategy as has_strategy
 from polydist._strategies.context import in_cross_replica_context as in_cross_replica_context
 from polydist._strategies.replica_context import ReplicaContext as ReplicaContext
+from polydist._v1.compat_v1 import (
+    CollectiveAllReduceStrategyV1 as MultiWorkerMirroredStrategy,
+)
+from polydist._v1.compat_v1 import InputIterator as InputIterator
+from polydist._v1.compat_v1 import MirroredStrategyV1 as MirroredStrategy
+from polydist._v1.compat_v1 import MultiStepContext as MultiStepContext
+from polydist._v1.compat_v1 import OneDeviceStrategyV1 as OneDeviceStrategy
+from polydist._v1.compat_v1 import StrategyExtendedV1 as StrategyExtended
+from polydist._v1.compat_v1 import StrategyV1 as Strategy
+from polydist._v1.compat_v1 import TPUStrategyV1 as TPUStrategy
 from polydist.compat.v1 import distribute as distribute
 from polydist.data import InputContext as InputContext
 from polydist.data import InputReplicationMode as InputReplicationMode

@@ -25,19 +25,19 @@ The strategies are the `polydist.compat.v1` ones with the tower API on top
 ``run_steps_on_dataset``, ...), so the v1 and v2 methods work on them too.
 """
 
-from polydist._strategies.tower import DistributionStrategy as DistributionStrategy
-from polydist._strategies.tower import MapOutput as MapOutput
-from polydist._strategies.tower import MirroredStrategy as MirroredStrategy
-from polydist._strategies.tower import OneDeviceStrategy as OneDeviceStrategy
-from polydist._strategies.tower import PerDeviceDataset as PerDeviceDataset
-from polydist._strategies.tower import TowerContext as TowerContext
-from polydist._strategies.tower import TowerMultiStepContext as MultiStepContext
-from polydist._strategies.tower import TPUStrategy as TPUStrategy
-from polydist._strategies.tower import get_cross_tower_context as get_cross_tower_context
-from polydist._strategies.tower import get_distribution_strategy as get_distribution_strategy
-from polydist._strategies.tower import get_tower_context as get_tower_context
-from polydist._strategies.tower import has_distribution_strategy as has_distribution_strategy
-from polydist._strategies.tower import require_tower_context as require_tower_context
+from polydist._v1.tower import DistributionStrategy as DistributionStrategy
+from polydist._v1.tower import MapOutput as MapOutput
+from polydist._v1.tower import MirroredStrategy as MirroredStrategy
+from polydist._v1.tower import OneDeviceStrategy as OneDeviceStrategy
+from polydist._v1.tower import PerDeviceDataset as PerDeviceDataset
+from polydist._v1.tower import TowerContext as TowerContext
+from polydist._v1.tower import TowerMultiStepContext as MultiStepContext
+from polydist._v1.tower import TPUStrategy as TPUStrategy
+from polydist._v1.tower import get_cross_tower_context as get_cross_tower_context
+from polydist._v1.tower import get_distribution_strategy as get_distribution_strategy
+from polydist._v1.tower import get_tower_context as get_tower_context
+from polydist._v1.tower import has_distribution_strategy as has_distribution_strategy
+from polydist._v1.tower import require_tower_context as require_tower_context
 
 __all__ = [
     "DistributionStrategy",

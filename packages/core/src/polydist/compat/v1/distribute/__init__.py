@@ -12,16 +12,16 @@ from polydist._collectives.cross_device_ops import (
 )
 from polydist._collectives.cross_device_ops import NcclAllReduce as NcclAllReduce
 from polydist._collectives.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
-from polydist._strategies.compat_v1 import MirroredStrategyV1 as MirroredStrategy
-from polydist._strategies.compat_v1 import OneDeviceStrategyV1 as OneDeviceStrategy
-from polydist._strategies.compat_v1 import StrategyExtendedV1 as StrategyExtended
-from polydist._strategies.compat_v1 import StrategyV1 as Strategy
 from polydist._strategies.context import experimental_set_strategy as experimental_set_strategy
 from polydist._strategies.context import get_replica_context as get_replica_context
 from polydist._strategies.context import get_strategy as get_strategy
 from polydist._strategies.context import has_strategy as has_strategy
 from polydist._strategies.context import in_cross_replica_context as in_cross_replica_context
 from polydist._strategies.replica_context import ReplicaContext as ReplicaContext
+from polydist._v1.compat_v1 import MirroredStrategyV1 as MirroredStrategy
+from polydist._v1.compat_v1 import OneDeviceStrategyV1 as OneDeviceStrategy
+from polydist._v1.compat_v1 import StrategyExtendedV1 as StrategyExtended
+from polydist._v1.compat_v1 import StrategyV1 as Strategy
 from polydist.compat.v1.distribute import experimental as experimental
 from polydist.data import InputContext as InputContext
 from polydist.data import InputReplicationMode as InputReplicationMode

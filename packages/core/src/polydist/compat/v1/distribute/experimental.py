@@ -3,10 +3,10 @@
 from polydist._base.communication import CollectiveCommunication as CollectiveCommunication
 from polydist._base.communication import CommunicationImplementation as CommunicationImplementation
 from polydist._base.communication import CommunicationOptions as CommunicationOptions
-from polydist._strategies.compat_v1 import (
+from polydist._v1.compat_v1 import (
     CollectiveAllReduceStrategyV1 as MultiWorkerMirroredStrategy,
 )
-from polydist._strategies.compat_v1 import TPUStrategyV1 as TPUStrategy
+from polydist._v1.compat_v1 import TPUStrategyV1 as TPUStrategy
 
 __all__ = [
     "CollectiveCommunication",

@@ -31,7 +31,9 @@ from polydist._base.devices import HOST_DEVICE, canonicalize
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._input.input_lib import DistributedDataset
 from polydist._strategies import context as _context
-from polydist._strategies.compat_v1 import (
+from polydist._strategies.replica_context import ReplicaContext
+from polydist._strategies.strategy import Strategy
+from polydist._v1.compat_v1 import (
     InputIterator,
     MirroredExtendedV1,
     MirroredStrategyV1,
@@ -43,8 +45,6 @@ from polydist._strategies.compat_v1 import (
     TPUStrategyV1,
     run_steps,
 )
-from polydist._strategies.replica_context import ReplicaContext
-from polydist._strategies.strategy import Strategy
 from polydist._valuetypes.values import DistributedValues, Mirrored, PerReplica, select_replica
 from polydist._valuetypes.variables import VariableAggregation
 from polydist.backend._contract import Backend

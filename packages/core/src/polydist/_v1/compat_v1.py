@@ -32,18 +32,16 @@ from polydist._base.communication import (
 from polydist._base.reduce_op import ReduceOp
 from polydist._distributed.cluster import normalize_cluster_spec
 from polydist._distributed.multi_worker import MultiWorkerExtended, MultiWorkerMirroredStrategy
+from polydist._distributed.tpu_strategy import TPUExtended, TPUStrategy
 from polydist._input.input_lib import DistributedDataset, DistributedIterator, make_numpy_dataset
 from polydist._strategies import context as _context
-from polydist._strategies.strategy import (
+from polydist._strategies.mirrored import (
     MirroredExtended,
     MirroredStrategy,
     OneDeviceExtended,
     OneDeviceStrategy,
-    Strategy,
-    StrategyExtended,
-    _check_reduce_op,
 )
-from polydist._strategies.tpu_strategy import TPUExtended, TPUStrategy
+from polydist._strategies.strategy import Strategy, StrategyExtended, _check_reduce_op
 from polydist._valuetypes import nest as _nest
 from polydist.backend._contract import Backend
 from polydist.cluster_resolver import ClusterResolver, ClusterSpec, TPUClusterResolver

@@ -1,0 +1,409 @@
+"""The multi-process kit of one-process-per-worker engines: heartbeats and the
+cluster membership they feed (who is alive, who joined, agreement on collectives),
+capabilities of such an engine, and one eager replica runner per worker.
+
+The strategy side (``MultiProcessExtended``, cluster resolution) is in
+:mod:`polydist._distributed.multi_process`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from polydist import errors
+from polydist._collectives.check import (
+    CollectiveChecker,
+    Pending,
+    SignatureStore,
+    checks_enabled,
+)
+from polydist.backend._contract import (
+    Capabilities,
+)
+
+# -- liveness: heartbeats through the engine's key-value store --------------------------------
+
+#: How often each worker writes its heartbeat.
+HEARTBEAT_SECONDS = 0.5
+# How long the survivors watch the heartbeats after a failure before naming the dead.
+_SILENCE_SECONDS = 4 * HEARTBEAT_SECONDS
+
+
+class HeartbeatStore(Protocol):
+    """The cluster's key-value store (torch's ``TCPStore``, JAX's coordination service)."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> str | None:
+        """The value, or ``None`` if the key is not set."""
+        ...
+
+    def delete(self, key: str) -> None: ...
+
+
+class Heartbeat:
+    """A daemon thread that writes ``"<beat> <collectives>"`` under ``hb/<worker>`` every
+    `HEARTBEAT_SECONDS` and watches the other workers' entries.
+
+    When a collective fails, `diagnose` tells the workers whose heartbeat stopped
+    (dead, hung or cut off) from those alive but behind (they have not entered
+    this worker's current collective). The store lives in worker 0's process:
+    when it is unreachable, worker 0 is the one gone.
+    """
+
+    def __init__(
+        self,
+        make_store: Callable[[], HeartbeatStore],
+        rank: int,
+        world_size: int,
+        collectives: Callable[[], int | None],
+    ) -> None:
+        self._make_store = make_store
+        self._rank = rank
+        self._others = [r for r in range(world_size) if r != rank]
+        self._collectives = collectives
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._store_error: BaseException | None = None
+        # worker -> (its last entry (beat, collectives), when it last changed)
+        self._seen: dict[int, tuple[tuple[int, int], float]] = {}
+        self._started = self._watched = time.monotonic()  # _watched: the last look
+        self._chores: list[Callable[[HeartbeatStore], None]] = []
+        self._thread = threading.Thread(
+            target=self._loop, name=f"polydist-heartbeat-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            store = self._make_store()
+            beat = 0
+            while not self._stop.is_set():
+                count = self._collectives()
+                if count is None:  # the group is gone
+                    return
+                beat += 1
+                store.set(f"hb/{self._rank}", f"{beat} {count}")
+                self._watch(store)
+                for chore in list(self._chores):
+                    chore(store)
+                self._stop.wait(HEARTBEAT_SECONDS)
+        except Exception as e:  # the store (worker 0) is gone, or the process is exiting
+            with self._lock:
+                self._store_error = e
+
+    def _watch(self, store: HeartbeatStore) -> None:
+        now = time.monotonic()
+        for r in self._others:
+            value = store.get(f"hb/{r}")
+            if value is None:
+                continue
+            beat, count = (int(x) for x in value.split())
+            with self._lock:
+                previous = self._seen.get(r)
+                if previous is None or previous[0] != (beat, count):
+                    self._seen[r] = ((beat, count), now)
+        with self._lock:
+            self._watched = now
+
+    def add_chore(self, chore: Callable[[HeartbeatStore], None]) -> None:
+        """Runs ``chore(store)`` after each beat, on the heartbeat's thread and store
+        connection (it must be quick: a late beat looks like a dead worker)."""
+        self._chores.append(chore)
+
+    def silent(self, seconds: float = 2 * _SILENCE_SECONDS) -> list[int]:
+        """The workers whose heartbeat this thread has seen unchanged for ``seconds`` (dead,
+        hung or cut off); ``[0]`` when the store (worker 0's) is unreachable. Does not wait.
+        Measured against this thread's own last look, so a starved thread names nobody."""
+        with self._lock:
+            if self._store_error is not None:
+                return [0] if self._rank != 0 else []
+            now = self._watched
+            if now - self._started < seconds:
+                return []
+            return [
+                r
+                for r in self._others
+                if (seen := self._seen.get(r)) is None or now - seen[1] > seconds
+            ]
+
+    def diagnose(self, collectives: int) -> tuple[list[int], list[int]]:
+        """(dead, behind) after a failed collective, this worker's number ``collectives``.
+
+        Sleeps ~2 s so that every live worker writes fresh heartbeats first.
+        """
+        if not self._others:
+            return [], []
+        failed_at = time.monotonic()
+        time.sleep(_SILENCE_SECONDS)
+        # A beat written just before a worker died may be read up to one interval later.
+        since = failed_at + 1.2 * HEARTBEAT_SECONDS
+        with self._lock:
+            if self._store_error is not None:
+                return ([0] if self._rank != 0 else []), []
+            latest = {
+                r: seen[0] if (seen := self._seen.get(r)) is not None and seen[1] > since else None
+                for r in self._others
+            }
+        dead = [r for r in self._others if latest[r] is None]
+        behind = [r for r in self._others if (v := latest[r]) is not None and v[1] < collectives]
+        return dead, behind
+
+    def stop(self, wait: float = 0.0) -> None:
+        """Stops the thread; waits up to ``wait`` s for it to end (call it at exit: a
+        daemon thread killed inside an engine's C++ call can abort the process)."""
+        self._stop.set()
+        if wait > 0 and self._thread is not threading.current_thread():
+            self._thread.join(wait)
+
+
+def describe_workers(
+    ranks: Sequence[int], names: Sequence[str], addresses: Sequence[str] = ()
+) -> str:
+    """``"1 (/job:worker/replica:0/task:1 at host:port)"`` for each worker, comma-separated."""
+    parts = []
+    for r in ranks:
+        where = f" at {addresses[r]}" if r < len(addresses) and addresses[r] else ""
+        parts.append(f"{r} ({names[r]}{where})" if r < len(names) else str(r))
+    return ", ".join(parts)
+
+
+# -- the engines' halves ---------------------------------------------------------------------
+
+
+class ClusterStore(HeartbeatStore, SignatureStore, Protocol):
+    """The cluster's key-value store, as the heartbeat and the collective check use it."""
+
+
+class ClusterMembership:
+    """This process's membership in a cluster of worker processes, which an engine
+    subclasses: the workers (``names`` and ``addresses`` by worker index), how many
+    collectives this process has entered, its heartbeat and collective check (`watch`),
+    the failure that ended the cluster, and how messages name the workers.
+
+    A collective runs through `call`; the engine's errors in it (``engine_errors``)
+    become polydist's through the engine's `translate`.
+    """
+
+    #: What the engine raises when a collective, or the store, fails.
+    engine_errors: ClassVar[tuple[type[Exception], ...]] = (Exception,)
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        names: Sequence[str],
+        addresses: Sequence[str],
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.names = list(names)
+        self.addresses = list(addresses)
+        self.collectives = 0  # how many collectives this process has entered
+        # At the collective check of the next one: its heartbeat counts it as reached,
+        # or a peer waiting there for a stuck third would look behind too.
+        self.entering = False
+        self.failure: errors.OpError | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.checker: CollectiveChecker | None = None
+
+    def watch(
+        self,
+        make_store: Callable[[], ClusterStore],
+        *,
+        check_timeout: float | None = None,
+        overlap_writes: bool = False,
+    ) -> None:
+        """Starts the heartbeat (whose thread makes its own store) and the collective
+        check (on another ``make_store()``), which waits ``check_timeout`` (default
+        ``timeout``) for the others' signatures."""
+        me = weakref.ref(self)
+
+        def collectives() -> int | None:
+            member = me()
+            return None if member is None else member.collectives + member.entering
+
+        self.heartbeat = Heartbeat(make_store, self.rank, self.world_size, collectives)
+        self.checker = CollectiveChecker(
+            make_store(),
+            self.rank,
+            self.world_size,
+            timeout=self.timeout if check_timeout is None else check_timeout,
+            heartbeat=self.heartbeat,
+            names=self.names,
+            addresses=self.addresses,
+            enabled=checks_enabled(),
+            overlap_writes=overlap_writes,
+        )
+
+    # -- collectives ---------------------------------------------------------------------------
+    def check_signature(
+        self,
+        op: str,
+        dtype: Any = None,
+        shape: Sequence[int] = (),
+        axis: int | None = None,
+        payload: str = "",
+    ) -> list[str] | None:
+        """Before collective ``op`` of an array of ``dtype`` and ``shape`` (``dtype=None``:
+        ``op`` alone): raises ``CollectiveMismatchError`` unless every worker is about to run
+        the same one (see ``polydist._collectives.check``); a missing peer or store fails
+        the cluster (`failed`). Returns every worker's ``payload`` (rank order), or
+        ``None`` when nothing was compared."""
+        return self.checked(op, dtype, shape, axis, lambda: None, payload)[1]
+
+    def checked(
+        self,
+        op: str,
+        dtype: Any,
+        shape: Sequence[int],
+        axis: int | None,
+        prepare: Callable[[], _T],
+        payload: str = "",
+        parts: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[_T, list[str] | None]:
+        """`check_signature`, running ``prepare()`` (the caller's work before the
+        collective) while this worker's signature travels: (its result, the payloads).
+        ``parts``: the shapes of the arrays packed into the collective, if several."""
+        if self.checker is None or self.failure is not None:
+            # no store to compare through (or `call` raises the failure)
+            return prepare(), None
+        self.entering = True
+        try:
+            pending = self.checker.publish(op, dtype, shape, axis, payload, parts)
+            prepared = prepare()
+            return prepared, self.checker.confirm(pending)
+        except errors.CollectiveMismatchError:
+            raise  # no worker issued it: the cluster is still usable
+        except self.engine_errors as e:
+            self.collectives += 1  # the collective it was entering, for the diagnosis
+            raise self.failed(op, e) from e
+        finally:
+            self.entering = False
+
+    def announce(self, op: str) -> Pending | None:
+        """For an engine that compares the workers' digests of collective ``op`` in a
+        collective of its own (cheaper than the store's round trip): numbers ``op`` as the
+        check does, without a store round trip (`CollectiveChecker.announce`). `settle`
+        follows once that exchange completed; `publish_late` meanwhile, if it is slow.
+        ``None``: no check."""
+        if self.checker is None or self.failure is not None:
+            return None
+        try:
+            return self.checker.announce(op)
+        except self.engine_errors as e:
+            self.collectives += 1
+            raise self.failed(op, e) from e
+
+    def publish_late(self, pending: Pending | None) -> None:
+        """`announce`'s signature, written after all, so that a peer at another collective
+        raises ``CollectiveMismatchError`` (safe from another thread; errors are dropped:
+        the engine's own wait reports a gone store)."""
+        if self.checker is not None:
+            try:
+                self.checker.publish_late(pending)
+            except Exception:
+                pass
+
+    def settle(self, pending: Pending | None) -> None:
+        """`announce`'s collective completed on every worker (`CollectiveChecker.settled`)."""
+        if self.checker is not None:
+            self.checker.settled(pending)
+
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, collective ``what``; an engine error in it fails the cluster (`failed`),
+        and once failed, no collective runs."""
+        if self.failure is not None:
+            raise type(self.failure)(
+                f"{what} cannot run: the cluster failed earlier and cannot be used any more "
+                f"({self.failure}). Stop every worker and restart them."
+            )
+        self.collectives += 1
+        try:
+            return fn()
+        except self.engine_errors as e:
+            raise self.failed(what, e) from e
+
+    def failed(self, what: str, err: BaseException) -> errors.OpError:
+        """Records and returns `translate`'s error for ``err``, which ended ``what``: the
+        cluster's failure."""
+        self.failure = self.translate(what, err)
+        return self.failure
+
+    def translate(self, what: str, err: BaseException) -> errors.OpError:
+        """The ``UnavailableError`` or ``DeadlineExceededError`` for the engine's ``err``,
+        which ended collective ``what``, naming the workers at fault (`diagnose`)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement translate")
+
+    # -- naming the workers ----------------------------------------------------------------
+    def diagnose(self, collectives: int | None = None) -> tuple[list[int], list[int]]:
+        """(dead, behind) after collective number ``collectives`` (default: the latest) failed:
+        see `Heartbeat.diagnose`; nobody without a heartbeat."""
+        if self.heartbeat is None:
+            return [], []
+        return self.heartbeat.diagnose(self.collectives if collectives is None else collectives)
+
+    def describe(self, ranks: Sequence[int]) -> str:
+        """`describe_workers` of this cluster's workers ``ranks``."""
+        return describe_workers(ranks, self.names, self.addresses)
+
+    def collective(self, what: str, n: int | None = None) -> str:
+        """How messages name collective number ``n`` (default: the latest), ``what``."""
+        n = self.collectives if n is None else n
+        return f"{what} (collective #{n} of worker {self.rank}) across {self.world_size} workers"
+
+    def unavailable(self, dead: Sequence[int]) -> str:
+        """Why messages name the ``dead`` workers of `diagnose`."""
+        return (
+            f"worker(s) {self.describe(dead)} unavailable: its process stopped sending "
+            "heartbeats (it exited, crashed, hung or lost its network)"
+        )
+
+    def behind(self, late: Sequence[int]) -> str:
+        """Why messages name the ``late`` workers (``behind``) of `diagnose`."""
+        return (
+            f"worker(s) {self.describe(late)} are alive but did not reach it (they are stuck, "
+            "slower than the timeout, or running different collectives)"
+        )
+
+    def close(self, wait: float = 0.0) -> None:
+        """Leaves the collective check (unless the cluster failed) and stops the heartbeat,
+        waiting up to ``wait`` s for its thread (see `Heartbeat.stop`)."""
+        if self.checker is not None and self.failure is None:
+            self.checker.leave()  # a peer still at a collective raises CollectiveMismatchError
+        if self.heartbeat is not None:
+            self.heartbeat.stop(wait)
+
+
+_T = TypeVar("_T")
+
+
+def once_per_process(make: Callable[[], _T]) -> Callable[[], _T]:
+    """A function that returns the one ``make()`` of this process, made on its first call
+    (thread-safe): an engine's shared backend, its watchdog."""
+    made: list[_T] = []
+    lock = threading.Lock()
+
+    def get() -> _T:
+        with lock:
+            if not made:
+                made.append(make())
+            return made[0]
+
+    return get
+
+
+def process_capabilities(capabilities: Capabilities) -> Capabilities:
+    """An engine backend's ``capabilities`` with one process per worker: ``multi_worker``;
+    no simulated clusters; no exact reduction order (the engine's sum across workers)."""
+    return dataclasses.replace(
+        capabilities, multi_worker=True, reduction_orders=(), simulated_clusters=False
+    )
