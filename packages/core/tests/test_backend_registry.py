@@ -222,7 +222,9 @@ def test_features_of_the_sim_are_frozen_and_cached() -> None:
     sim = get_backend("sim")
     found = features(sim)
     assert found is features(sim)
-    assert found == Features(cluster=True, reduction_order=True, simulated_devices=True)
+    assert found == Features(
+        cluster=True, reduction_order=True, simulated_devices=True, replica_runner=True
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         found.batch_all_reduce = True  # type: ignore[misc]
     assert features(_Batching()).batch_all_reduce and not features(_Summing()).batch_all_reduce

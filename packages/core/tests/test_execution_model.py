@@ -145,6 +145,14 @@ def test_a_compiled_backend_gets_the_replica_group() -> None:
         first.size = 2  # type: ignore[misc]
 
 
+def test_a_multi_worker_group_is_a_cache_key() -> None:
+    # Hashed by identity: its CommunicationOptions (a mutable dataclass) has no hash.
+    strategy = pd.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions())
+    group = replica_group(strategy)
+    assert {group: 1}[replica_group(strategy)] == 1
+    assert group != dataclasses.replace(group)
+
+
 def test_a_compiled_backend_without_run_replicas_is_a_clear_error() -> None:
     backend = EagerOnly()
     backend.capabilities = Capabilities(execution_model="spmd")

@@ -47,16 +47,17 @@ from polydist._collectives import trace as _trace
 from polydist._collectives.check import collective_intent
 from polydist._strategies import context as _context
 from polydist._valuetypes.values import regroup, select_replica
-from polydist.backend._contract import (
-    SupportsCompiledRun,
-    SupportsReplicaRunner,
-    batch_all_reduce,
-    features,
-)
+from polydist.backend._contract import batch_all_reduce, features
 from polydist.errors import CollectiveMismatchError, DeadlineExceededError
 
 if TYPE_CHECKING:
-    from polydist.backend._contract import Backend, ReplicaChannel, ReplicaGroup
+    from polydist.backend._contract import (
+        Backend,
+        ReplicaChannel,
+        ReplicaGroup,
+        SupportsCompiledRun,
+        SupportsReplicaRunner,
+    )
 
 __all__ = [
     "EagerReplicaRunner",
@@ -826,15 +827,16 @@ _DEFAULT_RUNNER = EagerReplicaRunner()
 
 class ReplicaExecution:
     """How core runs ``strategy.run`` over one `ReplicaGroup`: the backend's features are
-    resolved once, here, and each run reads its execution model (a backend may switch
-    it, e.g. ``JaxProcessBackend.set_jit``)."""
+    read once, here, and each run reads its execution model (a backend may switch it,
+    e.g. ``JaxProcessBackend.set_jit``)."""
 
     __slots__ = ("_compiles", "_supplies_runner", "group")
 
     def __init__(self, group: ReplicaGroup) -> None:
         self.group = group
-        self._supplies_runner = isinstance(group.backend, SupportsReplicaRunner)
-        self._compiles = isinstance(group.backend, SupportsCompiledRun)
+        found = features(group.backend)
+        self._supplies_runner = found.replica_runner
+        self._compiles = found.compiled_run
 
     def run(
         self,

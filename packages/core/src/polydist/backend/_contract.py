@@ -410,6 +410,8 @@ class Features:
     simulated_devices: bool = False
     update_in_place: bool = False
     places_copies_of_host_arrays: bool = False
+    compiled_run: bool = False
+    replica_runner: bool = False
 
     @staticmethod
     def of(backend: object) -> Features:
@@ -428,6 +430,8 @@ class Features:
             update_in_place=isinstance(backend, SupportsUpdateInPlace),
             places_copies_of_host_arrays=isinstance(backend, SupportsHostArrayCopies)
             and bool(backend.place_copies_host_arrays),
+            compiled_run=isinstance(backend, SupportsCompiledRun),
+            replica_runner=isinstance(backend, SupportsReplicaRunner),
         )
 
 
@@ -455,7 +459,7 @@ def features(backend: Backend) -> Features:
     return found
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ReplicaGroup:
     """Who a collective or a run spans, as the strategy supplies it (its group provider).
 
@@ -464,6 +468,9 @@ class ReplicaGroup:
     for all of them. For ``strategy.run``: what a compiled backend's
     ``run_replicas`` gets (`SupportsCompiledRun`) and what core's
     `EagerReplicaRunner` runs, built once per strategy (`replica_group`).
+
+    Compared and hashed by identity: a backend may key what it caches per strategy by
+    the run's group (weakly: it lives as long as its strategy's run state).
     """
 
     backend: Backend

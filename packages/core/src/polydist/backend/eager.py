@@ -1,4 +1,9 @@
-"""The eager per-replica runner: what an eager backend's ``run_replicas`` delegates to.
+"""The eager per-replica runner: how core runs an eager backend's replicas.
+
+Core runs ``strategy.run`` with it for a backend whose ``Capabilities.execution_model``
+is ``"eager"`` (configured by the backend's ``replica_runner``,
+`polydist.backend.SupportsReplicaRunner`); a compiled backend may call it for a call it
+cannot compile (``runner.run(group, fn, per_replica_args)``).
 
 :class:`EagerReplicaRunner` calls the replica function once per replica (on threads
 or greenlets), installs each replica's ``ReplicaContext``, rendezvouses the replicas
