@@ -44,13 +44,8 @@ from polydist._base.arrays import is_floating
 from polydist._base.devices import HOST_DEVICE, DeviceSpec
 from polydist._valuetypes.values import DistributedValues, PerReplica
 from polydist.backend._contract import SupportsPlacePerReplica, features
-from polydist.data import _dataset
-from polydist.data._dataset import (
-    INFINITE_CARDINALITY,
-    Dataset,
-    _IterableDataset,
-    as_dataset,
-)
+from polydist.data import _sources
+from polydist.data._dataset import INFINITE_CARDINALITY, Dataset
 from polydist.data._elements import _SpecInferenceError
 from polydist.data._input import (
     InputContext,
@@ -64,6 +59,7 @@ from polydist.data._rebatch import (
     per_replica_batches_from_datasets,
     rebatch_and_shard,
 )
+from polydist.data._sources import _IterableDataset, as_dataset
 from polydist.data._spec import TensorSpec
 from polydist.errors import OutOfRangeError
 
@@ -565,11 +561,11 @@ def _reading_begun_passes(
     if not begun:
         yield
         return
-    token = _dataset.BEGUN_PASSES.set({**(_dataset.BEGUN_PASSES.get() or {}), **begun})
+    token = _sources.BEGUN_PASSES.set({**(_sources.BEGUN_PASSES.get() or {}), **begun})
     try:
         yield
     finally:
-        _dataset.BEGUN_PASSES.reset(token)
+        _sources.BEGUN_PASSES.reset(token)
 
 
 # ---------------------------------------------------------------- entry points

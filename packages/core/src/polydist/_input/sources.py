@@ -13,7 +13,6 @@ import numpy as np
 
 from polydist.data._dataset import (
     Dataset,
-    _IterableDataset,
     _OptionsDataset,
     _PrefetchDataset,
     _ShardDataset,
@@ -27,6 +26,7 @@ from polydist.data._nest import flatten
 from polydist.data._rebatch import (
     _LegacyRebatchDataset,
 )
+from polydist.data._sources import _IterableDataset
 
 if TYPE_CHECKING:
     pass

@@ -39,16 +39,14 @@ from polydist.data._dataset import (
     UNKNOWN_CARDINALITY,
     Dataset,
     _BatchDataset,
-    _FileDataset,
-    _IterableDataset,
     _OptionsDataset,
     _PrefetchDataset,
     _ShardDataset,
-    as_dataset,
 )
 from polydist.data._elements import _check_batched, _SpecInferenceError
 from polydist.data._nest import Nest, flatten, map_structure, to_array, unflatten
 from polydist.data._options import AutoShardPolicy
+from polydist.data._sources import _FileDataset, _IterableDataset, as_dataset
 from polydist.data._spec import TensorSpec, empty_batch, leading_dims
 
 __all__ = [
