@@ -47,6 +47,7 @@ from polydist.backend._contract import ClusterToJoin as ClusterToJoin
 from polydist.backend._contract import Features as Features
 from polydist.backend._contract import ReplicaChannel as ReplicaChannel
 from polydist.backend._contract import ReplicaGroup as ReplicaGroup
+from polydist.backend._contract import ReplicaRunner as ReplicaRunner
 from polydist.backend._contract import SupportsBatchAllReduce as SupportsBatchAllReduce
 from polydist.backend._contract import SupportsCompiledRun as SupportsCompiledRun
 from polydist.backend._contract import SupportsCrossDeviceOps as SupportsCrossDeviceOps
@@ -97,6 +98,7 @@ __all__ = [
     "SupportsSymbolicValues",
     "ReplicaGroup",
     "SupportsCompiledRun",
+    "ReplicaRunner",
     "SupportsReplicaRunner",
     "SupportsWorkerProcesses",
     "WorkerProcessBackend",

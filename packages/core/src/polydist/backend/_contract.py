@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from polydist._base.communication import CommunicationOptions
     from polydist._base.reduce_op import ReduceOp
     from polydist._collectives.cross_device_ops import CrossDeviceOps
-    from polydist._strategies.eager import EagerReplicaRunner
     from polydist._strategies.strategy import Strategy
     from polydist.cluster_resolver._base import ClusterResolver
     from polydist.tpu import LocalTPUSystem
@@ -530,6 +529,20 @@ class SupportsCompiledRun(Protocol):
     ) -> list[Any]: ...
 
 
+class ReplicaRunner(Protocol):
+    """Runs an eager ``strategy.run``: ``fn`` once per replica of ``group``, replica
+    ``r`` with ``per_replica_args[r]`` (``(args, kwargs)``), in a ``ReplicaContext``
+    whose collectives meet the other replicas'; returns the results in replica order.
+    Core's `EagerReplicaRunner` is the implementation every in-tree backend uses."""
+
+    def run(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[Any]: ...
+
+
 @runtime_checkable
 class SupportsReplicaRunner(Protocol):
     """An eager backend's configuration of core's runner (``execution_model == "eager"``).
@@ -539,11 +552,12 @@ class SupportsReplicaRunner(Protocol):
     backend whose engine keeps state per thread asks for ``"thread"`` mode; one whose
     collectives need wrapping (autograd) passes ``wrap_channel``; one that needs work
     around a whole run (carrying the caller's thread state into the replicas) subclasses
-    `EagerReplicaRunner` and extends ``run``.
+    `EagerReplicaRunner` and extends ``run``; any object with that ``run`` method
+    (`ReplicaRunner`) will do.
     """
 
     @property
-    def replica_runner(self) -> EagerReplicaRunner: ...
+    def replica_runner(self) -> ReplicaRunner: ...
 
 
 _lock = threading.Lock()

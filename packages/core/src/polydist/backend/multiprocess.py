@@ -22,8 +22,11 @@ This module holds what every such engine needs besides its collectives:
 
 from polydist._collectives.check import PeerMissing as PeerMissing
 from polydist._collectives.check import Pending as Pending
+from polydist._collectives.check import SignatureStore as SignatureStore
 from polydist._distributed.cluster import id_in_cluster as id_in_cluster
 from polydist._distributed.cluster import worker_count as worker_count
+from polydist._distributed.membership import ClusterStore as ClusterStore
+from polydist._distributed.membership import HeartbeatStore as HeartbeatStore
 from polydist._distributed.multi_process import DEFAULT_TIMEOUT_SECONDS as DEFAULT_TIMEOUT_SECONDS
 from polydist._distributed.multi_process import HEARTBEAT_SECONDS as HEARTBEAT_SECONDS
 from polydist._distributed.multi_process import ClusterMembership as ClusterMembership
@@ -39,12 +42,15 @@ from polydist._distributed.multi_process import shape_row as shape_row
 from polydist._distributed.multi_process import worker_task_names as worker_task_names
 
 __all__ = [
+    "ClusterMembership",
+    "ClusterStore",
     "DEFAULT_TIMEOUT_SECONDS",
     "HEARTBEAT_SECONDS",
-    "ClusterMembership",
     "Heartbeat",
-    "Pending",
+    "HeartbeatStore",
     "PeerMissing",
+    "Pending",
+    "SignatureStore",
     "check_joining",
     "collective_timeout",
     "describe_workers",
