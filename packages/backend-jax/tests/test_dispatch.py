@@ -4,7 +4,7 @@ placing an input once, the deferred divergence check. Values, never timings."""
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ import pytest
 
 import polydist as pd
 from polydist.backend.tracing import storage_arrays
-from polydist_jax import JaxBackend, _input, _spmd
+from polydist_jax import JaxBackend, _input, _spmd, replicate
 
 N = 4
 
@@ -248,13 +248,13 @@ def test_a_new_input_object_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
         return a + b
 
     shared = jnp.arange(2.0)
-    for k in range(3):  # a new batch each step: that column alone is classified again
+    for k in range(3):  # a new batch each step: the direct path assembles it, no classifying
         x = per_replica([jnp.full(2, float(10 * k + r)) for r in range(N)])
         out = strategy.run(add, (x, shared))
         assert [v.tolist() for v in out.values] == [
             [10.0 * k + r, 10.0 * k + r + 1] for r in range(N)
         ]
-    assert calls == [2, 1, 1] and backend.compile_count == 1
+    assert calls == [2] and backend.compile_count == 1
     other = jnp.arange(2.0) + 5  # a new shared array
     out = strategy.run(add, (x, other))
     assert out.values[0].tolist() == [25.0, 26.0]
@@ -397,3 +397,216 @@ def test_results_are_the_bits_of_a_fresh_preparation(
     assert len(fast) == len(fresh)
     for a, b in zip(fast, fresh, strict=True):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+# --------------------------------------------------------------------------- the direct path
+# From a function's second call on, core hands the call to `CompiledRunner.run_direct`,
+# which replays the plan: each test changes one input between calls and checks the
+# result is the one the prepared path gives, without a recompile.
+
+
+def count_prepares(backend: JaxBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    prepare = backend._compiled._prepare
+
+    def spy(*args: Any) -> Any:
+        calls.append(1)
+        return prepare(*args)
+
+    monkeypatch.setattr(backend._compiled, "_prepare", spy)
+    return calls
+
+
+def triple(a: Any) -> Any:
+    return a * 3
+
+
+def plus_one(a: Any) -> Any:
+    return a + 1
+
+
+def double(a: Any) -> Any:
+    return a * 2
+
+
+def on_devices(values: list[Any], devices: list[Any]) -> Any:
+    return pd.PerReplica([jax.device_put(v, d) for v, d in zip(values, devices, strict=True)])
+
+
+def replica_sum(x: Any) -> Any:
+    ctx = pd.get_replica_context()
+    assert ctx is not None
+    return ctx.all_reduce("SUM", x * 2)
+
+
+@pytest.mark.parametrize("n", [1, N])
+def test_later_calls_are_direct_and_place_nothing(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    strategy, backend = make(n)
+    prepares = count_prepares(backend, monkeypatch)
+    devices = jax.devices()[:n]
+    x = on_devices([jnp.full(2, float(r)) for r in range(n)], devices) if n > 1 else None
+    x = x if x is not None else jax.device_put(jnp.full(2, 1.0), devices[0])
+    expected = [[2.0 * sum(range(n)) if n > 1 else 2.0] * 2] * n
+    strategy.run(replica_sum, (x,))
+    placed: list[Any] = []
+    for name in ("device_put", "make_array_from_single_device_arrays"):
+        original = getattr(jax, name)
+
+        def counting(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            placed.append(args)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(jax, name, counting)
+    for _ in range(3):
+        out = strategy.run(replica_sum, (x,))
+        assert [c.tolist() for c in strategy.experimental_local_results(out)] == expected
+    assert placed == []  # already in place: nothing placed or assembled again
+    assert prepares == [1] and backend.compile_count == 1
+
+
+@pytest.mark.parametrize("n", [1, N])
+def test_parameters_passed_in_and_returned(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The getting-started idiom: each step's outputs are the next step's inputs.
+    strategy, backend = make(n)
+    prepares = count_prepares(backend, monkeypatch)
+
+    def step(w: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        grad = ctx.all_reduce("MEAN", x * w)
+        return w - 0.5 * grad, jnp.sum(grad)
+
+    w = replicate(strategy, jnp.ones(3)) if n > 1 else jnp.ones(3)
+    x = jnp.arange(3.0)
+    expected = np.ones(3)
+    assembled: list[Any] = []
+    make_array = jax.make_array_from_single_device_arrays
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        assembled.append(args)
+        return make_array(*args, **kwargs)
+
+    for k in range(4):
+        if k == 2:  # the outputs passed back in are the program's own output arrays
+            monkeypatch.setattr(jax, "make_array_from_single_device_arrays", counting)
+        w, loss = strategy.run(step, (w, x))
+        grad = np.arange(3.0) * expected
+        expected = expected - 0.5 * grad
+        for part in strategy.experimental_local_results(w):
+            np.testing.assert_allclose(np.asarray(part), expected, rtol=1e-6)
+        for part in strategy.experimental_local_results(loss):
+            assert not np.shape(part)  # rank 0 per replica, as returned
+            np.testing.assert_allclose(float(part), grad.sum(), rtol=1e-6)
+    assert prepares == [1] and backend.compile_count == 1 and assembled == []
+    (plan,) = backend._compiled._plans[strategy.extended].values()
+    assert plan.program.local._cache_size() == 1  # the same shardings each step
+
+
+def test_a_new_array_each_step_is_used() -> None:
+    for n in (1, N):
+        strategy, backend = make(n)
+
+        def add_one(a: Any) -> Any:
+            return a + 1
+
+        for k in range(4):
+            x = jnp.full(2, float(k))  # uncommitted, a new array each step
+            out = strategy.run(add_one, (x,))
+            assert [c.tolist() for c in strategy.experimental_local_results(out)] == [
+                [k + 1.0] * 2
+            ] * n
+        assert backend.compile_count == 1
+
+
+def test_components_on_other_devices_are_placed() -> None:
+    strategy, _ = make()
+    devices = jax.devices()[:N]
+    values = [jnp.full(2, float(r)) for r in range(N)]
+    strategy.run(triple, (on_devices(values, devices),))
+    strategy.run(triple, (on_devices(values, devices),))
+    rotated = on_devices(values, devices[1:] + devices[:1])  # each on another replica's device
+    out = strategy.run(triple, (rotated,))
+    assert [c.tolist() for c in out.values] == [[3.0 * r] * 2 for r in range(N)]
+    assert [str(c.device) for c in out.values] == [str(d) for d in devices]
+    shared = jax.device_put(jnp.ones(2), devices[2])  # committed to one replica's device
+    out = strategy.run(triple, (shared,))
+    assert [c.tolist() for c in out.values] == [[3.0] * 2] * N
+
+
+def test_a_per_replica_whose_components_changed_is_read_again() -> None:
+    strategy, _ = make()
+    devices = jax.devices()[:N]
+    x = on_devices([jnp.full(2, float(r)) for r in range(N)], devices)
+    for _ in range(2):
+        strategy.run(plus_one, (x,))
+    # The same PerReplica object holding other components (core's values are a tuple).
+    x._values = on_devices([jnp.full(2, 10.0 * r) for r in range(N)], devices).values
+    out = strategy.run(plus_one, (x,))
+    assert [c.tolist() for c in out.values] == [[10.0 * r + 1] * 2 for r in range(N)]
+    # A plain array where a PerReplica was: given to every replica.
+    out = strategy.run(plus_one, (jnp.zeros(2),))
+    assert [c.tolist() for c in out.values] == [[1.0] * 2] * N
+
+
+def test_a_variable_assigned_between_direct_calls_is_read_anew() -> None:
+    strategy, backend = make()
+    with strategy.scope():
+        v = pd.Variable(np.zeros(2, np.float32))
+    step = add_one(v)
+    for _ in range(3):
+        strategy.run(step)
+    v.assign(np.full(2, 10.0, np.float32))  # from outside, in cross-replica context
+    strategy.run(step)
+    assert [c.numpy().tolist() for c in v.values] == [[11.0] * 2] * N
+    assert backend.compile_count == 1
+
+
+class Pair(NamedTuple):
+    split: Any
+    same: Any
+
+
+def test_direct_results_regroup_as_core_does() -> None:
+    strategy, backend = make()
+    with strategy.scope():
+        v = pd.Variable(np.ones(2, np.float32))
+    shared = jnp.arange(2.0)
+    x = on_devices([jnp.full(2, float(r)) for r in range(N)], jax.devices()[:N])
+
+    def step(a: Any, b: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return {
+            "pair": Pair(a * 2, ctx.all_reduce("SUM", a)),
+            "static": "label",
+            "variable": v,
+            "input": b,
+            "none": None,
+        }
+
+    results = [strategy.run(step, (x, shared)) for _ in range(3)]
+    for out in results:  # the prepared call, the checked direct call, a direct call
+        assert list(out) == ["pair", "static", "variable", "input", "none"]
+        assert isinstance(out["pair"], Pair)
+        assert type(out["pair"].split) is pd.PerReplica
+        assert [c.tolist() for c in out["pair"].split.values] == [[2.0 * r] * 2 for r in range(N)]
+        assert type(out["pair"].same) is pd.PerReplica
+        assert out["pair"].same.values[3].tolist() == [6.0, 6.0]
+        assert out["static"] == "label" and out["variable"] is v and out["input"] is shared
+        assert out["none"] is None
+    assert backend.compile_count == 1
+    plan = next(iter(backend._compiled._plans[strategy.extended].values()))
+    assert plan.dispatch is not None and plan.dispatch.checked
+
+
+def test_a_direct_call_inside_jax_jit_joins_its_trace() -> None:
+    strategy, _ = make(1)
+    x = jnp.arange(3.0)
+    for _ in range(2):
+        strategy.run(double, (x,))
+
+    @jax.jit
+    def outer(y: Any) -> Any:
+        return strategy.run(double, (x,)) + y
+
+    assert outer(jnp.ones(3)).tolist() == [1.0, 3.0, 5.0]

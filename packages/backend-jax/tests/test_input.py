@@ -16,7 +16,7 @@ from jax_testutil import assert_results_match
 
 import polydist as pd
 from polydist.data import AutoShardPolicy, Dataset, InputContext, InputOptions, Options
-from polydist_jax import AXIS, JaxBackend, _input
+from polydist_jax import AXIS, JaxBackend, _input, _spmd
 from polydist_sim import SimBackend
 
 N = 8
@@ -89,14 +89,14 @@ def all_reduce_sum(x: Any) -> Any:
 def record_run_inputs(backend: JaxBackend, monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
     """Every compiled call's input arrays, as the program receives them."""
     calls: list[list[Any]] = []
-    prepare = backend._compiled._prepare
+    ordered = _spmd._ordered  # how both the prepared and the direct path list them
 
     def spy(*args: Any) -> Any:
-        prepared = prepare(*args)
-        calls.append(list(prepared[1]))
-        return prepared
+        inputs = ordered(*args)
+        calls.append(list(inputs))
+        return inputs
 
-    monkeypatch.setattr(backend._compiled, "_prepare", spy)
+    monkeypatch.setattr(_spmd, "_ordered", spy)
     return calls
 
 

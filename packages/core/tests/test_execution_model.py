@@ -14,15 +14,19 @@ import pytest
 
 import polydist as pd
 from polydist.backend import (
+    NOT_HANDLED,
     Backend,
     Capabilities,
     EagerReplicaRunner,
     ReplicaChannel,
     ReplicaGroup,
     SupportsCompiledRun,
+    SupportsDirectRun,
     SupportsReplicaRunner,
+    features,
     replica_group,
 )
+from polydist.backend.tracing import note_replica_write, swap_storage
 from polydist.experimental import CommunicationOptions
 from polydist_sim import SimBackend
 
@@ -143,6 +147,66 @@ def test_a_compiled_backend_gets_the_replica_group() -> None:
     assert first.communication_options is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.size = 2  # type: ignore[misc]
+
+
+class Direct(Compiled):
+    """A compiled backend with a fast path: it answers the calls of ``answered`` alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered: dict[Any, Any] = {}
+        self.direct: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def run_direct(
+        self, group: ReplicaGroup, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        self.direct.append((fn, args, kwargs))
+        return self.answered.get(fn, NOT_HANDLED)
+
+
+def test_a_direct_run_answers_or_leaves_the_call_to_core() -> None:
+    backend = Direct()
+    assert isinstance(backend, SupportsDirectRun) and features(backend).direct_run
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    out = strategy.run(_sum_of_ids, kwargs={})  # NOT_HANDLED: core's usual path
+    assert [int(v) for v in strategy.experimental_local_results(out)] == [1, 1]
+    assert len(backend.received) == 1 and backend.direct == [(_sum_of_ids, (), {})]
+    backend.answered[_sum_of_ids] = "answered"
+    assert strategy.run(_sum_of_ids) == "answered"
+    assert len(backend.received) == 1  # run_replicas not called
+
+
+def test_a_direct_run_is_not_asked_while_tracing() -> None:
+    backend = Direct()
+    backend.answered[_sum_of_ids] = "answered"
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    with pd.trace() as trace:
+        out = strategy.run(_sum_of_ids)
+    assert [int(v) for v in strategy.experimental_local_results(out)] == [1, 1]
+    assert backend.direct == [] and trace.steps == 1
+    assert [e.op for e in trace.events] == ["all_reduce"]
+
+
+def test_core_checks_divergence_after_a_direct_run() -> None:
+    backend = Direct()
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    with strategy.scope():
+        v = pd.Variable(0.0)
+
+    def diverge() -> None:
+        # What a compiled program's replicas would have done: each wrote its own copy.
+        swap_storage(v, [np.float32(0.0), np.float32(1.0)])
+        note_replica_write(v)
+
+    class Answer:
+        def get(self, fn: Any, default: Any) -> Any:
+            diverge()
+            return None
+
+    backend.answered = Answer()  # type: ignore[assignment]
+    with pytest.warns(pd.ReplicaDivergenceWarning, match="now holds different values"):
+        assert strategy.run(lambda: None) is None
+    assert backend.received == []  # answered directly; core's after-run check warned
 
 
 def test_a_multi_worker_group_is_a_cache_key() -> None:

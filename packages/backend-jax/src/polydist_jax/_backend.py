@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import jax
 import numpy as np
 
-from polydist.backend import Capabilities, EagerReplicaRunner, ReplicaChannel, replica_group
+from polydist.backend import (
+    NOT_HANDLED,
+    Capabilities,
+    EagerReplicaRunner,
+    ReplicaChannel,
+    replica_group,
+)
 from polydist.backend.tracing import current_update_replica
 from polydist.backend.values import select_replica
 from polydist_jax import _collectives, _devices, _functional, _input, _namespace, _tpu
@@ -246,6 +252,20 @@ class JaxBackend:
                 ) from None
         self.eager_fallback_count += 1
         return self.replica_runner.run(group, fn, per_replica_args)
+
+    def run_direct(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Core's fast path (``polydist.backend.SupportsDirectRun``): a call of a program
+        compiled before, its inputs handed straight over (``CompiledRunner.run_direct``);
+        ``NOT_HANDLED`` otherwise (core's usual path, ``run_replicas``)."""
+        if not self.jit:
+            return NOT_HANDLED
+        return self._compiled.run_direct(group, fn, args, kwargs)
 
     def _eager_channel(self, inner: Any, replica_index: int) -> DifferentiableChannel:
         return DifferentiableChannel(inner, replica_index, self._moved)

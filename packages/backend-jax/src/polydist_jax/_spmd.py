@@ -32,6 +32,7 @@ import functools
 import hashlib
 import inspect
 import itertools
+import operator
 import sys
 import threading
 import weakref
@@ -48,14 +49,20 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from polydist import ReduceOp, ReplicaContext, Variable
+from polydist.backend import NOT_HANDLED, pack_by_dtype
 from polydist.backend import collectives as _communication
 from polydist.backend import context as _context
 from polydist.backend import nest as _nest
-from polydist.backend import pack_by_dtype
 from polydist.backend import tracing as _trace
 from polydist.backend.arrays import convert_to_array, describe, dtype_name
 from polydist.backend.tracing import storage_arrays, swap_storage, tracking_state
-from polydist.backend.values import DistributedValues, DistributedVariable, value_container
+from polydist.backend.values import (
+    DistributedValues,
+    DistributedVariable,
+    PerReplica,
+    regroup,
+    value_container,
+)
 from polydist_jax import _functional, _input
 from polydist_jax._devices import jax_device
 from polydist_jax._functional import TracedVariables, pick_local
@@ -86,9 +93,10 @@ CACHE_SIZE = 256
 #: The divergence warning's check (`_DivergenceChecks`) of the NONE variables a program
 #: writes in replica context: its first calls hash their copies and read the hashes at
 #: once (waiting for the step); later, one call in `CHECK_EVERY` hashes them, read
-#: once that step has finished.
+#: once that step has finished. (Hashing reads every written copy: on XLA:CPU about
+#: half an MLP step of `benchmarks/bench_jax.py`, so one call in 16 cost ~3%.)
 CHECK_AT_ONCE = 4
-CHECK_EVERY = 16
+CHECK_EVERY = 128
 
 _REPLICA, _SHARED, _STATIC, _VARIABLE = "replica", "shared", "static", "variable"
 # A zero-size array input: made inside the program (it holds no data). As a program
@@ -140,6 +148,11 @@ class _Mesh:
     def spans_processes(self) -> bool:
         return self.replicas != len(self.devices)
 
+    @functools.cached_property
+    def single_device(self) -> bool:
+        """One replica in one process: programs take and give single-device arrays."""
+        return len(self.devices) == 1 and not self.spans_processes
+
     @staticmethod
     def build(device_strings: Sequence[str]) -> _Mesh:
         return _Mesh.of(tuple(jax_device(d) for d in device_strings))
@@ -181,6 +194,9 @@ class _Mesh:
     def assemble(self, blocks: Sequence[Any]) -> Any:
         """The global array split along axis 0 whose blocks here are ``blocks`` (this
         process's replicas' blocks, in order; no copy)."""
+        if self.single_device:
+            # One device: its block is the array (the program takes it as it is).
+            return blocks[0]
         block = blocks[0].shape
         shape = (block[0] * self.replicas, *block[1:])
         return jax.make_array_from_single_device_arrays(shape, self.split, list(blocks))
@@ -188,16 +204,18 @@ class _Mesh:
     def replicate(self, value: Any) -> Any:
         """``value`` as a replicated input: a copy on each replica's device (across
         processes each process's own value: nothing assumes they are equal)."""
-        if not self.spans_processes:
+        if self.single_device:
+            # One device: an array on it is already replicated (a device_put, about 0.1
+            # ms, would copy it each step). Single-device arrays, as the program's
+            # outputs are: a later step passing them back needs no other compile.
             if (
-                len(self.devices) == 1
-                and isinstance(value, jax.Array)
+                isinstance(value, jax.Array)
                 and value.committed
                 and value.sharding == self.single[0]
             ):
-                # One device: an array on it is already replicated (a device_put, about
-                # 0.1 ms, would copy it each step).
                 return value
+            return jax.device_put(value, self.single[0])
+        if not self.spans_processes:
             return jax.device_put(value, self.replicated)
         copies = [
             value  # already there: a device_put would cost a dispatch per step
@@ -424,12 +442,14 @@ class _Program:
     signs: tuple[Any, ...] = ()
     # One device, one process: rank-0 results come out of the program rank 0.
     squeezed: bool = False
+    single: SingleDeviceSharding | None = None  # ... and its device's sharding
     # The program as run in one process outside JAX transformations (`_local_call`):
     # built once from the first trace, donating the written variables' input arrays.
     local: Any = None
     donated: tuple[int, ...] = ()  # input positions donated (written variables)
     counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # split, replicated, updated, checks
     calls: int = 0  # calls so far (which ones check divergence: `CompiledRunner._checks`)
+    scalars: list[int] | None = None  # the split outputs of rank 0 (`_parts`)
 
 
 class _Strong:
@@ -474,6 +494,39 @@ class _Plan:
     version: int  # its version then
     closure: tuple[Any, ...]  # fn's closure cells and what they held
     contents: tuple[Any, ...]
+    # `CompiledRunner.run_direct`'s replay of this plan; ``direct`` False: the plan's
+    # calls cannot be replayed (core's usual path each time).
+    dispatch: _Dispatch | None = None
+    direct: bool = True
+    # The last direct call's split outputs, by id of their first part: a distributed
+    # value of exactly those parts (parameters passed back in) is that array again.
+    recent: dict[int, tuple[Any, list[Any]]] = field(default_factory=dict)
+
+
+# How `CompiledRunner.run_direct` hands over each of core's leaves of ``(args, kwargs)``:
+# the same object as before (static values, whole variables, NumPy scalars); a
+# ``jax.Array`` given to every replica (placed again only when it is another array);
+# a distributed value (its components, reassembled only when they are other arrays).
+_D_SAME, _D_ARRAY, _D_REPLICA = 0, 1, 2
+# How it regroups each output leaf, as core's `regroup` did on the call checked.
+_R_PARTS, _R_FIRST, _R_OBJECT, _R_VARIABLE, _R_INPUT = 0, 1, 2, 3, 4
+
+
+@dataclass(eq=False)
+class _Dispatch:
+    """A `_Plan` as `CompiledRunner.run_direct` replays it: from core's own leaves of
+    ``(args, kwargs)`` (which, here, are the leaves the plan classified: the plan's nest
+    structure is core's) straight to the program's inputs, and from its outputs
+    straight to the regrouped result."""
+
+    spec: Any  # core's structure of (args, kwargs)
+    types: tuple[type, ...] | None  # each argument's type, when every one is a leaf
+    devices: tuple[str, ...]
+    kinds: list[int]  # per leaf: _D_SAME | _D_ARRAY | _D_REPLICA
+    avals: list[Any]  # per leaf: (shape, dtype) of its per-replica block / shared array
+    held: list[Any]  # per _D_REPLICA leaf: the components tuple its input was made from
+    outputs: list[tuple[int, int, Any]]  # per output leaf: (_R_*, index, object)
+    checked: bool = False  # its result was compared with core's regroup once
 
 
 def _closure(fn: Callable[..., Any]) -> tuple[Any, ...]:
@@ -898,6 +951,246 @@ class CompiledRunner:
                 self._divergence.add(dirty, found, mesh, wait=first_calls)
         return self._results(program, columns, split, replicated, mesh, traced, variables)
 
+    # -- the direct path ----------------------------------------------------------------
+    def run_direct(
+        self,
+        replicas: ReplicaGroup,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Core's fast path (`SupportsDirectRun`): the call of ``fn`` replayed from its
+        last call's `_Plan`, with no more host work than looking the program up and
+        handing over what changed; `NOT_HANDLED` when the plan does not hold (core's
+        usual path then runs `run`, which prepares the call again).
+
+        Core's leaves of ``(args, kwargs)`` are the plan's: a leaf that is the same
+        object as last time is the same input; a new ``jax.Array`` of the same shape
+        and dtype is placed (`_replicated`: not at all when already in place); a new
+        distributed value whose components are arrays of the same shape and dtype on
+        their replicas' devices is assembled (found by identity when it is one global
+        array's, `_input.joined`). Anything else, and every check `_reuse` makes (the
+        variables, fn's closure, x64 mode, variables tracked since), declines.
+        """
+        if self._group is not None:
+            return NOT_HANDLED  # across processes every call agrees first (`run`)
+        strategy = replicas.strategy
+        plans = self._plans.get(strategy.extended) if strategy is not None else None
+        plan = plans.get(fn) if plans is not None else None
+        if plan is None or not plan.direct:
+            return NOT_HANDLED
+        program = plan.program
+        if (
+            program.local is None
+            or program.created
+            or plan.state.version != plan.version
+            or plan.x64 != x64_enabled()
+        ):
+            return NOT_HANDLED
+        for cell, held in zip(plan.closure, plan.contents, strict=True):
+            try:
+                if cell.cell_contents is not held:
+                    return NOT_HANDLED
+            except ValueError:
+                return NOT_HANDLED
+        dispatch = plan.dispatch
+        flat: Sequence[Any]
+        if dispatch is not None and not kwargs and _leaf_types(args, dispatch.types):
+            flat = args  # each argument a leaf, of the types it had: core's flat leaves
+        else:
+            flat, spec = _nest.flatten((args, kwargs))
+            if dispatch is None:
+                dispatch = self._dispatch(plan, flat, spec, args, kwargs, replicas.devices)
+                if dispatch is None:
+                    return NOT_HANDLED
+            elif spec != dispatch.spec:
+                return NOT_HANDLED
+        if replicas.devices is not dispatch.devices and replicas.devices != dispatch.devices:
+            return NOT_HANDLED
+        mesh = plan.mesh
+        if not self._direct_inputs(plan, dispatch, flat, mesh):
+            return NOT_HANDLED
+        variables: list[Variable] = []
+        var_inputs: list[Any] = []
+        cache = self._variable_inputs
+        for ref in plan.variables:
+            var = ref()
+            if var is None:
+                return NOT_HANDLED
+            cached = cache.get(var, storage_arrays(var))
+            if cached is None:
+                return NOT_HANDLED  # written from outside: `run` assembles it again
+            variables.append(var)
+            var_inputs.append(cached)
+        inputs = _ordered(var_inputs, plan.inputs)
+        checked = self._checks(program, mesh)
+        first_calls = program.calls < CHECK_AT_ONCE
+        program.calls += 1
+        self._divergence.poll()
+        offset = _variables_offset(len(inputs), len(variables))
+        for i in program.donated:
+            if not cache.exclusive(variables[i - offset]):
+                inputs[i] = _copy(inputs[i])
+        flat_out = program.local(*inputs)
+        a, b, c, _ = program.counts
+        split, replicated, updated = flat_out[:a], flat_out[a : a + b], flat_out[a + b : a + b + c]
+        outputs = (split, replicated, updated, flat_out[a + b + c :])
+        self._throttle(mesh, outputs)
+        tracing = bool(flat_out) and is_tracer(flat_out[0])  # inside an outer trace
+        self._write_back(program, variables, updated, mesh, False)
+        if checked and program.dirty:
+            dirty = [variables[p] for p in program.dirty]
+            if not all(getattr(v, "_divergence_warned", False) for v in dirty):
+                arrays = [cache.get(v, storage_arrays(v)) for v in dirty]
+                found = self._fingerprints(mesh, arrays)
+                self._divergence.add(dirty, found, mesh, wait=first_calls)
+        if tracing or not dispatch.checked:
+            columns = [
+                list(x.values) if kind == _D_REPLICA else [x] * len(mesh.devices)
+                for x, kind in zip(flat, dispatch.kinds, strict=True)
+            ]
+            if tracing:
+                per_replica = self._results(
+                    program, columns, split, replicated, mesh, True, variables
+                )
+                return regroup(per_replica)
+            split_parts, replicated_parts = _parts(program, split, replicated, mesh)
+            per_replica = self._per_replica(
+                program, columns, split_parts, replicated_parts, mesh, False, variables
+            )
+            expected = regroup(per_replica)
+            got = _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
+            if not _same_result(expected, got):
+                plan.direct, plan.dispatch = False, None  # core's regroup differs: not replayed
+            dispatch.checked = True
+            self._remember_outputs(plan, program, split, split_parts)
+            return expected
+        split_parts, replicated_parts = _parts(program, split, replicated, mesh)
+        self._remember_outputs(plan, program, split, split_parts)
+        return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
+
+    @staticmethod
+    def _remember_outputs(
+        plan: _Plan, program: _Program, split: Sequence[Any], split_parts: list[list[Any]]
+    ) -> None:
+        """Keeps this call's split outputs (several parts, not rank 0) for the next
+        call (`_Plan.recent`); held until then, as the caller usually holds them."""
+        recent: dict[int, tuple[Any, list[Any]]] = {}
+        scalars = program.scalars or ()
+        for i, parts in enumerate(split_parts):
+            if len(parts) > 1 and i not in scalars:
+                recent[id(parts[0])] = (split[i], parts)
+        plan.recent = recent
+
+    def _dispatch(
+        self,
+        plan: _Plan,
+        flat: list[Any],
+        spec: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        devices: tuple[str, ...],
+    ) -> _Dispatch | None:
+        """The plan's `_Dispatch`, if its calls can be replayed (else ``plan.direct`` is
+        cleared); None also while ``flat`` is not what the plan was made from."""
+        if spec != plan.spec or len(flat) != len(plan.leaves) or any(plan.volatile):
+            plan.direct = False
+            return None
+        kinds: list[int] = []
+        avals: list[Any] = []
+        for i, (x, leaf) in enumerate(zip(flat, plan.leaves, strict=True)):
+            distributed = isinstance(x, DistributedValues) and not x._select_whole
+            if distributed != (leaf.kind == _REPLICA) or leaf.kind == _EMPTY:
+                # e.g. a PerReplica of one object on every replica (a shared input)
+                plan.direct = False
+                return None
+            if leaf.kind == _SHARED and isinstance(x, jax.Array):
+                kinds.append(_D_ARRAY)
+            elif distributed:
+                kinds.append(_D_REPLICA)
+            elif plan.refs[i][0]() is x:
+                kinds.append(_D_SAME)
+            else:
+                return None  # another call's static input: `run` first
+            avals.append((leaf.shape, leaf.dtype))
+        outputs: list[tuple[int, int, Any]] = []
+        for out in plan.program.outputs:
+            if out.kind in ("split", "replicated"):
+                outputs.append((_R_FIRST if out.common else _R_PARTS, out.index, out.kind))
+            elif out.kind == "static":
+                outputs.append((_R_OBJECT, 0, out.obj))
+            elif out.kind == "variable":
+                outputs.append((_R_VARIABLE, out.index, None))
+            elif out.kind == "input" and kinds[out.index] != _D_REPLICA:
+                outputs.append((_R_INPUT, out.index, None))
+            else:  # a replica's own input or copy, an empty array: core's regroup each time
+                plan.direct = False
+                return None
+        # Arguments that are all leaves (types decide what a leaf is): a later call whose
+        # arguments have the same types needs no flattening.
+        simple = not kwargs and len(flat) == len(args) and all(map(operator.is_, flat, args))
+        plan.dispatch = _Dispatch(
+            spec=spec,
+            types=tuple(type(a) for a in args) if simple else None,
+            devices=devices,
+            kinds=kinds,
+            avals=avals,
+            held=[None] * len(flat),
+            outputs=outputs,
+        )
+        return plan.dispatch
+
+    def _direct_inputs(
+        self, plan: _Plan, dispatch: _Dispatch, flat: Sequence[Any], mesh: _Mesh
+    ) -> bool:
+        """Brings ``plan.inputs`` up to date with core's leaves ``flat``; False: a leaf
+        the direct path does not hand over (``plan`` is then still consistent)."""
+        refs = plan.refs
+        slots = plan.slots
+        n = len(mesh.devices)
+        for i, x in enumerate(flat):
+            kind = dispatch.kinds[i]
+            if kind == _D_SAME:
+                if refs[i][0]() is not x:
+                    return False
+                continue
+            if kind == _D_ARRAY:
+                if refs[i][0]() is x:
+                    continue
+                if not isinstance(x, jax.Array) or is_tracer(x) or _aval(x) != dispatch.avals[i]:
+                    return False
+                placed = self._replicated(x, mesh)
+                ref = _ref(x)
+                refs[i] = [ref] * n
+            else:
+                if not isinstance(x, DistributedValues) or x._select_whole:
+                    return False
+                values = x._values
+                if values is dispatch.held[i]:
+                    continue
+                if len(values) != n:
+                    return False
+                if all(r() is v for r, v in zip(refs[i], values, strict=True)):
+                    dispatch.held[i] = values  # the components the plan's input holds
+                    continue
+                output = plan.recent.get(id(values[0]))
+                if (
+                    output is not None
+                    and all(map(operator.is_, output[1], values))
+                    and _aval(values[0]) == dispatch.avals[i]
+                ):
+                    placed = output[0]  # an output of the last call, passed back in
+                else:
+                    placed = _direct_replica(values, dispatch.avals[i], mesh)
+                if placed is None:
+                    return False
+                refs[i] = [_ref(v) for v in values]
+                dispatch.held[i] = values
+            slot = slots[i]
+            assert slot is not None, "an array leaf is a program input"
+            plan.inputs[slot] = placed
+        return True
+
     def _local_call(self, program: _Program, inputs: list[Any], n_variables: int) -> Any:
         """Runs ``program`` in this process outside JAX transformations, donating the
         input arrays of the variables it writes.
@@ -924,9 +1217,18 @@ class CompiledRunner:
             program.counts = tuple(  # type: ignore[assignment]
                 len(part) for part in stage.out_info
             )
-            program.local = jax.jit(
-                jaxpr_as_fun(stage.jaxpr), donate_argnums=program.donated, keep_unused=True
-            )
+            # One device: outputs on it as single-device arrays, as users' arrays are
+            # (no conversion per step, `_shards`).
+            run = jaxpr_as_fun(stage.jaxpr)
+            if program.single is None:
+                program.local = jax.jit(run, donate_argnums=program.donated, keep_unused=True)
+            else:
+                program.local = jax.jit(
+                    run,
+                    donate_argnums=program.donated,
+                    keep_unused=True,
+                    out_shardings=program.single,
+                )
         offset = _variables_offset(len(inputs), n_variables)
         for i in program.donated:
             if not self._variable_inputs.exclusive(_call.variables[i - offset]):
@@ -956,7 +1258,7 @@ class CompiledRunner:
             oldest = (
                 self._in_flight.popleft() if len(self._in_flight) > _CPU_STEPS_IN_FLIGHT else None
             )
-        if oldest is not None:
+        if oldest is not None and not oldest.is_ready():
             oldest.block_until_ready()
 
     def lower(
@@ -1168,6 +1470,8 @@ class CompiledRunner:
         if changed:  # the next call with these same objects finds them
             for i in changed:
                 plan.refs[i] = [_ref(v) for v in columns[i]]
+                if plan.dispatch is not None:
+                    plan.dispatch.held[i] = None  # no longer the components of its input
             plan.inputs = inputs
         return plan.program, variables, inputs, var_inputs  # type: ignore[return-value]
 
@@ -1253,7 +1557,12 @@ class CompiledRunner:
     def _store(
         self, program: _Program, variables: list[Variable], updated: list[Any], mesh: _Mesh
     ) -> None:
-        parts = [_shards(g, mesh) for g in updated]
+        if mesh.single_device:
+            # The variable's own array object, not the program's output (the next input):
+            # `InputCache.exclusive` counts who else holds the stored copy.
+            parts = [[g.addressable_data(0)] for g in updated]
+        else:
+            parts = [_shards(g, mesh) for g in updated]
         scalars = [i for i, (_, scalar) in enumerate(program.updates) if scalar]
         if scalars:
             squeezed = _per_device(_to_scalar, [parts[i] for i in scalars])
@@ -1591,6 +1900,7 @@ class CompiledRunner:
 
             program.jitted = jax.jit(single)
             program.squeezed = True
+            program.single = mesh.single[0]
         return program
 
     # -- outputs ----------------------------------------------------------------------
@@ -1613,13 +1923,22 @@ class CompiledRunner:
             ]
             replicated_parts = [[jnp.array(g, copy=True) for _ in range(n)] for g in replicated]
         else:
-            split_parts = [_shards(g, mesh) for g in split]
-            replicated_parts = [_shards(g, mesh) for g in replicated]
-            scalars = [o.index for o in program.outputs if o.kind == "split" and o.scalar]
-            if scalars and not program.squeezed:
-                squeezed = _per_device(_to_scalar, [split_parts[i] for i in scalars])
-                for i, parts in zip(scalars, squeezed, strict=True):
-                    split_parts[i] = parts
+            split_parts, replicated_parts = _parts(program, split, replicated, mesh)
+        return self._per_replica(
+            program, columns, split_parts, replicated_parts, mesh, tracing, variables
+        )
+
+    def _per_replica(
+        self,
+        program: _Program,
+        columns: list[list[Any]],
+        split_parts: list[list[Any]],
+        replicated_parts: list[list[Any]],
+        mesh: _Mesh,
+        tracing: bool,
+        variables: list[Variable],
+    ) -> list[Any]:
+        n = len(mesh.devices)
         results = []
         for r in range(n):
             leaves = []
@@ -1730,16 +2049,105 @@ def _mark_diverged(dirty: list[Variable], found: Any, mesh: _Mesh) -> None:
             _trace.note_replica_write(var)  # type: ignore[arg-type]
 
 
+def _parts(
+    program: _Program, split: list[Any], replicated: list[Any], mesh: _Mesh
+) -> tuple[list[list[Any]], list[list[Any]]]:
+    """Each replica's part of the program's split and replicated outputs."""
+    split_parts = [_shards(g, mesh) for g in split]
+    replicated_parts = [_shards(g, mesh) for g in replicated]
+    scalars = program.scalars
+    if scalars is None:
+        scalars = program.scalars = [
+            o.index for o in program.outputs if o.kind == "split" and o.scalar
+        ]
+    if scalars and not program.squeezed:
+        squeezed = _per_device(_to_scalar, [split_parts[i] for i in scalars])
+        for i, parts in zip(scalars, squeezed, strict=True):
+            split_parts[i] = parts
+    return split_parts, replicated_parts
+
+
+def _same_result(expected: Any, got: Any) -> bool:
+    """Whether ``got`` is ``expected``: the same structure, the same leaves (distributed
+    values: of the same type, with the very same components)."""
+    flat_e, spec_e = _nest.flatten(expected)
+    flat_g, spec_g = _nest.flatten(got)
+    if spec_e != spec_g:
+        return False
+    for e, g in zip(flat_e, flat_g, strict=True):
+        if e is g:
+            continue
+        if not (
+            type(e) is type(g)
+            and isinstance(e, DistributedValues)
+            and len(e.values) == len(g.values)
+            and all(a is b for a, b in zip(e.values, g.values, strict=True))
+        ):
+            return False
+    return True
+
+
+def _leaf_types(args: tuple[Any, ...], types: tuple[type, ...] | None) -> bool:
+    if types is None or len(args) != len(types):
+        return False
+    return all(type(a) is t for a, t in zip(args, types, strict=True))
+
+
+def _direct_replica(values: tuple[Any, ...], aval: Any, mesh: _Mesh) -> Any:
+    """The program input of a distributed value's components, if each is an array of
+    the plan's shape and dtype on its replica's device (else None)."""
+    found = _input.joined(values, mesh.split)
+    if found is not None:
+        return found[0] if found[1] == aval else None
+    if not aval[0]:
+        return None  # rank 0: `run` reshapes the components
+    single = mesh.single
+    for r, v in enumerate(values):
+        if (
+            not isinstance(v, jax.Array)
+            or is_tracer(v)
+            or not v.committed
+            or v.sharding != single[r]
+            or _aval(v) != aval
+        ):
+            return None
+    return mesh.assemble(values)
+
+
+def _direct_result(
+    program: _Program,
+    dispatch: _Dispatch,
+    split_parts: list[list[Any]],
+    replicated_parts: list[list[Any]],
+    variables: list[Variable],
+    flat: Sequence[Any],
+) -> Any:
+    """The regrouped result of a direct call (`_Dispatch.outputs`)."""
+    leaves: list[Any] = []
+    for how, index, obj in dispatch.outputs:
+        if how in (_R_PARTS, _R_FIRST):
+            parts = (split_parts if obj == "split" else replicated_parts)[index]
+            leaves.append(parts[0] if how == _R_FIRST or len(parts) == 1 else PerReplica(parts))
+        elif how == _R_OBJECT:
+            leaves.append(obj)
+        elif how == _R_VARIABLE:
+            leaves.append(variables[index])
+        else:
+            leaves.append(flat[index])
+    return _nest.unflatten(program.out_spec, leaves)
+
+
 def _copy(x: Any) -> Any:
     """A copy of ``x`` with its sharding (a new buffer, safe to donate)."""
     return jnp.array(x, copy=True)
 
 
 def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
-    if len(mesh.devices) == 1 and not mesh.spans_processes:
+    if mesh.single_device:
         # The one replica's value, as it would come back in: replicated as is (the
         # program's own input sharding), else its buffer on the device.
-        if global_array.sharding == mesh.replicated:
+        sharding = global_array.sharding
+        if sharding is mesh.single[0] or sharding == mesh.replicated:
             return [global_array]
         return [global_array.addressable_data(0)]
     parts: list[Any] = [None] * len(mesh.devices)

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
         ReplicaChannel,
         ReplicaGroup,
         SupportsCompiledRun,
+        SupportsDirectRun,
         SupportsReplicaRunner,
     )
 
@@ -476,13 +477,17 @@ class ReplicaExecution:
     read once, here, and each run reads its execution model (a backend may switch it,
     e.g. ``JaxProcessBackend.set_jit``)."""
 
-    __slots__ = ("_compiles", "_supplies_runner", "group")
+    __slots__ = ("_compiles", "_supplies_runner", "direct", "group")
 
     def __init__(self, group: ReplicaGroup) -> None:
         self.group = group
         found = features(group.backend)
         self._supplies_runner = found.replica_runner
         self._compiles = found.compiled_run
+        #: The backend's fast path for a call it has run before (`SupportsDirectRun`).
+        self.direct: Callable[..., Any] | None = (
+            cast("SupportsDirectRun", group.backend).run_direct if found.direct_run else None
+        )
 
     def run(
         self,

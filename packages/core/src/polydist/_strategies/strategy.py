@@ -41,7 +41,7 @@ from polydist._valuetypes.values import (
     regroup,
     select_replica,
 )
-from polydist.backend._contract import Backend, ReplicaGroup, get_backend
+from polydist.backend._contract import NOT_HANDLED, Backend, ReplicaGroup, get_backend
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -147,10 +147,19 @@ class StrategyExtended(ExtendedVariablesMixin):
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        execution = self._run_execution()
+        tracing = _trace.is_tracing()
+        if execution.direct is not None and not tracing:
+            # A compiled backend's answer for a call it has run before (it replays what
+            # core decided then: each replica's arguments, the regrouping).
+            result = execution.direct(execution.group, fn, args, kwargs)
+            if result is not NOT_HANDLED:
+                _variables.after_run(self)
+                return result
         per_replica = _per_replica_args(args, kwargs, len(self._devices))
-        if _trace.is_tracing():
+        if tracing:
             _trace.begin_step()
-        results = self._run_execution().run(fn, per_replica)
+        results = execution.run(fn, per_replica)
         _variables.after_run(self)  # ReplicaDivergenceWarning for NONE-aggregated copies
         return regroup(results)
 

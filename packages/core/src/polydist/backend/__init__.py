@@ -39,6 +39,7 @@ from polydist._strategies.eager import timeout_seconds_from_env as timeout_secon
 from polydist._valuetypes.nest import register_tree_system as register_tree_system
 from polydist.backend._contract import ARRAY_TYPES_GROUP as ARRAY_TYPES_GROUP
 from polydist.backend._contract import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from polydist.backend._contract import NOT_HANDLED as NOT_HANDLED
 from polydist.backend._contract import WORKER_PROCESSES_GROUP as WORKER_PROCESSES_GROUP
 from polydist.backend._contract import Backend as Backend
 from polydist.backend._contract import Capabilities as Capabilities
@@ -51,6 +52,7 @@ from polydist.backend._contract import ReplicaRunner as ReplicaRunner
 from polydist.backend._contract import SupportsBatchAllReduce as SupportsBatchAllReduce
 from polydist.backend._contract import SupportsCompiledRun as SupportsCompiledRun
 from polydist.backend._contract import SupportsCrossDeviceOps as SupportsCrossDeviceOps
+from polydist.backend._contract import SupportsDirectRun as SupportsDirectRun
 from polydist.backend._contract import SupportsHostArrayCopies as SupportsHostArrayCopies
 from polydist.backend._contract import SupportsLocalTPUSystem as SupportsLocalTPUSystem
 from polydist.backend._contract import SupportsPlacePerReplica as SupportsPlacePerReplica
@@ -85,6 +87,7 @@ __all__ = [
     "ClusterToJoin",
     "EagerReplicaRunner",
     "Features",
+    "NOT_HANDLED",
     "ReplicaChannel",
     "SupportsBatchAllReduce",
     "SupportsCrossDeviceOps",
@@ -98,6 +101,7 @@ __all__ = [
     "SupportsSymbolicValues",
     "ReplicaGroup",
     "SupportsCompiledRun",
+    "SupportsDirectRun",
     "ReplicaRunner",
     "SupportsReplicaRunner",
     "SupportsWorkerProcesses",

@@ -412,6 +412,7 @@ class Features:
     update_in_place: bool = False
     places_copies_of_host_arrays: bool = False
     compiled_run: bool = False
+    direct_run: bool = False
     replica_runner: bool = False
 
     @staticmethod
@@ -432,6 +433,7 @@ class Features:
             places_copies_of_host_arrays=isinstance(backend, SupportsHostArrayCopies)
             and bool(backend.place_copies_host_arrays),
             compiled_run=isinstance(backend, SupportsCompiledRun),
+            direct_run=isinstance(backend, SupportsDirectRun),
             replica_runner=isinstance(backend, SupportsReplicaRunner),
         )
 
@@ -527,6 +529,42 @@ class SupportsCompiledRun(Protocol):
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]: ...
+
+
+class _NotHandled:
+    """The type of `NOT_HANDLED`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "polydist.backend.NOT_HANDLED"
+
+
+#: What `SupportsDirectRun.run_direct` returns for a call it leaves to core's usual path.
+NOT_HANDLED: Any = _NotHandled()
+
+
+@runtime_checkable
+class SupportsDirectRun(Protocol):
+    """A compiled backend's fast path for a ``strategy.run`` it has run before.
+
+    Core calls ``run_direct(group, fn, args, kwargs)`` first (outside a collective
+    trace), with the call's own ``args`` and ``kwargs``; the backend returns the
+    call's regrouped result, or `NOT_HANDLED`, and core then takes its usual path
+    (``run_replicas``, `regroup`). A backend answers only calls whose every answer it
+    learned from core on an earlier call of ``fn``: which replica gets what (core's
+    selection of distributed values), and how the results regroup (core's `regroup`
+    of that call's results, checked against its own once before it answers alone).
+    Core still runs its after-run checks (``ReplicaDivergenceWarning``).
+    """
+
+    def run_direct(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any: ...
 
 
 class ReplicaRunner(Protocol):
