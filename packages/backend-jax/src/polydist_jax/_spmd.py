@@ -149,6 +149,10 @@ class _Mesh:
         return self.replicas != len(self.devices)
 
     @functools.cached_property
+    def throttled(self) -> bool:
+        return _throttled(self)
+
+    @functools.cached_property
     def single_device(self) -> bool:
         """One replica in one process: programs take and give single-device arrays."""
         return len(self.devices) == 1 and not self.spans_processes
@@ -526,7 +530,13 @@ class _Dispatch:
     avals: list[Any]  # per leaf: (shape, dtype) of its per-replica block / shared array
     held: list[Any]  # per _D_REPLICA leaf: the components tuple its input was made from
     outputs: list[tuple[int, int, Any]]  # per output leaf: (_R_*, index, object)
+    leaf: bool = False  # the result is one leaf, not a nest
     checked: bool = False  # its result was compared with core's regroup once
+
+
+# A plan column's references when only the direct path knows its components (`_reuse`
+# then classifies it again): they refer to nothing a caller can pass.
+_UNKNOWN = _Strong(object())
 
 
 def _closure(fn: Callable[..., Any]) -> tuple[Any, ...]:
@@ -1011,34 +1021,38 @@ class CompiledRunner:
         if not self._direct_inputs(plan, dispatch, flat, mesh):
             return NOT_HANDLED
         variables: list[Variable] = []
-        var_inputs: list[Any] = []
         cache = self._variable_inputs
-        for ref in plan.variables:
-            var = ref()
-            if var is None:
-                return NOT_HANDLED
-            cached = cache.get(var, storage_arrays(var))
-            if cached is None:
-                return NOT_HANDLED  # written from outside: `run` assembles it again
-            variables.append(var)
-            var_inputs.append(cached)
-        inputs = _ordered(var_inputs, plan.inputs)
-        checked = self._checks(program, mesh)
+        if plan.variables:
+            var_inputs: list[Any] = []
+            for ref in plan.variables:
+                var = ref()
+                if var is None:
+                    return NOT_HANDLED
+                cached = cache.get(var, storage_arrays(var))
+                if cached is None:
+                    return NOT_HANDLED  # written from outside: `run` assembles it again
+                variables.append(var)
+                var_inputs.append(cached)
+            inputs = _ordered(var_inputs, plan.inputs)
+            offset = _variables_offset(len(inputs), len(variables))
+            for i in program.donated:
+                if not cache.exclusive(variables[i - offset]):
+                    inputs[i] = _copy(inputs[i])
+        else:
+            inputs = _ordered([], plan.inputs)
+        checked = bool(program.dirty) and self._checks(program, mesh)
         first_calls = program.calls < CHECK_AT_ONCE
         program.calls += 1
         self._divergence.poll()
-        offset = _variables_offset(len(inputs), len(variables))
-        for i in program.donated:
-            if not cache.exclusive(variables[i - offset]):
-                inputs[i] = _copy(inputs[i])
         flat_out = program.local(*inputs)
         a, b, c, _ = program.counts
         split, replicated, updated = flat_out[:a], flat_out[a : a + b], flat_out[a + b : a + b + c]
-        outputs = (split, replicated, updated, flat_out[a + b + c :])
-        self._throttle(mesh, outputs)
         tracing = bool(flat_out) and is_tracer(flat_out[0])  # inside an outer trace
-        self._write_back(program, variables, updated, mesh, False)
-        if checked and program.dirty:
+        if not tracing and mesh.throttled:
+            self._throttle(mesh, (split, replicated, updated, flat_out[a + b + c :]))
+        if updated:
+            self._write_back(program, variables, updated, mesh, False)
+        if checked:
             dirty = [variables[p] for p in program.dirty]
             if not all(getattr(v, "_divergence_warned", False) for v in dirty):
                 arrays = [cache.get(v, storage_arrays(v)) for v in dirty]
@@ -1065,8 +1079,13 @@ class CompiledRunner:
             dispatch.checked = True
             self._remember_outputs(plan, program, split, split_parts)
             return expected
-        split_parts, replicated_parts = _parts(program, split, replicated, mesh)
-        self._remember_outputs(plan, program, split, split_parts)
+        if program.single is not None:
+            # One device: the outputs are single-device arrays, rank 0 as returned.
+            split_parts = [[g] for g in split]
+            replicated_parts = [[g] for g in replicated]
+        else:
+            split_parts, replicated_parts = _parts(program, split, replicated, mesh)
+            self._remember_outputs(plan, program, split, split_parts)
         return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
 
     @staticmethod
@@ -1137,6 +1156,7 @@ class CompiledRunner:
             avals=avals,
             held=[None] * len(flat),
             outputs=outputs,
+            leaf=plan.program.out_spec.is_leaf(),
         )
         return plan.dispatch
 
@@ -1184,7 +1204,8 @@ class CompiledRunner:
                     placed = _direct_replica(values, dispatch.avals[i], mesh)
                 if placed is None:
                     return False
-                refs[i] = [_ref(v) for v in values]
+                # `run` (`_reuse`) classifies such a column again; here ``held`` finds it.
+                refs[i] = [_UNKNOWN] * n
                 dispatch.held[i] = values
             slot = slots[i]
             assert slot is not None, "an array leaf is a program input"
@@ -1258,7 +1279,7 @@ class CompiledRunner:
             oldest = (
                 self._in_flight.popleft() if len(self._in_flight) > _CPU_STEPS_IN_FLIGHT else None
             )
-        if oldest is not None and not oldest.is_ready():
+        if oldest is not None:
             oldest.block_until_ready()
 
     def lower(
@@ -2088,9 +2109,7 @@ def _same_result(expected: Any, got: Any) -> bool:
 
 
 def _leaf_types(args: tuple[Any, ...], types: tuple[type, ...] | None) -> bool:
-    if types is None or len(args) != len(types):
-        return False
-    return all(type(a) is t for a, t in zip(args, types, strict=True))
+    return types is not None and tuple(map(type, args)) == types
 
 
 def _direct_replica(values: tuple[Any, ...], aval: Any, mesh: _Mesh) -> Any:
@@ -2124,6 +2143,11 @@ def _direct_result(
 ) -> Any:
     """The regrouped result of a direct call (`_Dispatch.outputs`)."""
     leaves: list[Any] = []
+    if dispatch.leaf:  # fn returned one array (the common trivial case)
+        how, index, obj = dispatch.outputs[0]
+        if how in (_R_PARTS, _R_FIRST):
+            parts = (split_parts if obj == "split" else replicated_parts)[index]
+            return parts[0] if how == _R_FIRST or len(parts) == 1 else PerReplica(parts)
     for how, index, obj in dispatch.outputs:
         if how in (_R_PARTS, _R_FIRST):
             parts = (split_parts if obj == "split" else replicated_parts)[index]

@@ -157,10 +157,15 @@ def push_mode(mode: _Mode) -> None:
     _stack.set((*_stack.get(), mode))
 
 
-def push_cross_replica_mode(strategy: Strategy) -> None:
+def push_cross_replica_mode(strategy: Strategy) -> contextvars.Token[tuple[_Mode, ...]]:
     """Enters ``strategy``'s cross-replica context, as its ``scope()`` does (undo with
-    `pop_mode`)."""
-    push_mode(_Mode(strategy, None, strategy))
+    `pop_mode`, or `leave_mode` of what it returns)."""
+    return _stack.set((*_stack.get(), _Mode(strategy, None, strategy)))
+
+
+def leave_mode(token: contextvars.Token[tuple[_Mode, ...]]) -> None:
+    """Restores the modes as they were before the push that returned ``token``."""
+    _stack.reset(token)
 
 
 def pop_mode() -> None:

@@ -18,6 +18,7 @@ from polydist._base.context import experimental_set_strategy as experimental_set
 from polydist._base.context import has_strategy as has_strategy
 from polydist._base.context import in_cross_replica_context as in_cross_replica_context
 from polydist._base.context import is_default_mode as is_default_mode
+from polydist._base.context import leave_mode as leave_mode
 from polydist._base.context import mode as mode
 from polydist._base.context import pop_mode as pop_mode
 from polydist._base.context import push_cross_replica_mode as push_cross_replica_mode

@@ -476,11 +476,11 @@ class Strategy:
         if _context.has_strategy():
             _context.require_cross_replica_or_default_context(self)
             return self._extended.call_for_each_replica(fn, args, kwargs)
-        _context.push_cross_replica_mode(self)
+        token = _context.push_cross_replica_mode(self)
         try:
             return self._extended.call_for_each_replica(fn, args, kwargs)
         finally:
-            _context.pop_mode()
+            _context.leave_mode(token)
 
     def experimental_run_v2(
         self,
