@@ -198,9 +198,6 @@ class _Mesh:
     def assemble(self, blocks: Sequence[Any]) -> Any:
         """The global array split along axis 0 whose blocks here are ``blocks`` (this
         process's replicas' blocks, in order; no copy)."""
-        if self.single_device:
-            # One device: its block is the array (the program takes it as it is).
-            return blocks[0]
         block = blocks[0].shape
         shape = (block[0] * self.replicas, *block[1:])
         return jax.make_array_from_single_device_arrays(shape, self.split, list(blocks))
@@ -447,6 +444,7 @@ class _Program:
     # One device, one process: rank-0 results come out of the program rank 0.
     squeezed: bool = False
     single: SingleDeviceSharding | None = None  # ... and its device's sharding
+    single_split: NamedSharding | None = None  # ... and its mesh's split sharding
     # The program as run in one process outside JAX transformations (`_local_call`):
     # built once from the first trace, donating the written variables' input arrays.
     local: Any = None
@@ -1238,17 +1236,22 @@ class CompiledRunner:
             program.counts = tuple(  # type: ignore[assignment]
                 len(part) for part in stage.out_info
             )
-            # One device: outputs on it as single-device arrays, as users' arrays are
-            # (no conversion per step, `_shards`).
             run = jaxpr_as_fun(stage.jaxpr)
             if program.single is None:
                 program.local = jax.jit(run, donate_argnums=program.donated, keep_unused=True)
             else:
+                # One device: results on it as single-device arrays, as users' arrays
+                # are (no conversion per step, `_shards`). Not the variables' new copies:
+                # they stay the global arrays the next step donates (a single-device
+                # array's buffer, also held by the variable's own array object, is
+                # not donated: XLA copied a 400 MB variable each step).
+                a, b, c, d = program.counts
+                mesh_split = program.single_split
                 program.local = jax.jit(
                     run,
                     donate_argnums=program.donated,
                     keep_unused=True,
-                    out_shardings=program.single,
+                    out_shardings=([program.single] * (a + b) + [mesh_split] * (c + d)),
                 )
         offset = _variables_offset(len(inputs), n_variables)
         for i in program.donated:
@@ -1922,6 +1925,7 @@ class CompiledRunner:
             program.jitted = jax.jit(single)
             program.squeezed = True
             program.single = mesh.single[0]
+            program.single_split = mesh.split
         return program
 
     # -- outputs ----------------------------------------------------------------------
