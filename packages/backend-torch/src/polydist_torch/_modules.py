@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import polydist as pd
 from polydist.backend import context as _context
+from polydist.backend import replica_group
 from polydist.backend.context import replica_index
 from polydist.backend.tracing import swap_storage
 from polydist_torch._backend import TorchBackend, _GradMode
@@ -563,6 +564,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._alone = strategy.num_replicas_in_sync == 1
         self._replicas = tuple(replicas)
         self._reduced: dict[int, bool] = {}
+        self._bucket: _GradientBucket | None = None
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
 
@@ -657,6 +659,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not params:
             self._reduced[r] = True
             return
+        if len(self._replicas) == 1 and self._bucket_sum(params):
+            self._reduced[r] = True
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         # The flags travel in the gradients' pack when they share a float dtype that
         # counts replicas exactly: a pack of their own would be a second collective
@@ -684,6 +689,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     p.grad.copy_(total)
         self._reduced[r] = True
+
+    def _bucket_sum(self, params: list[torch.Tensor]) -> bool:
+        """With one replica per worker process: the gradients summed in place in this
+        optimizer's own flat bucket (`_GradientBucket`), as DDP does; ``False`` where the
+        engine or the parameters do not allow it (then the general path sums them)."""
+        bucket = self._bucket
+        if bucket is None or not bucket.fits(params):
+            bucket = self._bucket = _GradientBucket.build(self._strategy, params)
+            if bucket is None:
+                return False
+        bucket.sum(params)
+        return True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """All-reduces the gradients (SUM) and steps this replica's copy (replica context)."""
@@ -750,6 +767,109 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "DistributedOptimizer.add_param_group: add the group to the optimizer before "
             "polydist_torch.distribute_optimizer."
         )
+
+
+class _GradientBucket:
+    """A `DistributedOptimizer`'s gradients in one flat buffer that it owns, for a worker
+    process whose one replica steps it (``MultiWorkerMirroredStrategy`` with one replica
+    per worker): DDP's ``gradient_as_bucket_view``.
+
+    Layout: every parameter's gradient (each a tensor of its own on the buffer's memory,
+    which becomes ``p.grad``), one has-gradient flag per parameter, and the engine's
+    presence flag (``TorchProcessGroupBackend.all_reduce_bucket_``). At each step a
+    ``p.grad`` that already is the bucket's tensor (``zero_grad(set_to_none=False)``,
+    then ``backward()``, which accumulates in place) is summed where it is, with no
+    copy; a new gradient (after ``zero_grad()``, autograd's fresh tensor, or one you
+    assigned) is copied in once and ``p.grad`` becomes the bucket's tensor; a missing one
+    counts zero. The buffer is summed in place by the engine's own ``all_reduce`` (no
+    copy out). Rebuilt when the parameters change (another list, shape, dtype or device).
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        params: list[torch.Tensor],
+        flat: torch.Tensor,
+        grads: list[torch.Tensor],
+        parts: list[tuple[int, ...]],
+        replicas: int,
+    ) -> None:
+        self.backend = backend
+        self.params = params
+        self.layout = [(p.shape, p.dtype, p.device) for p in params]
+        self.flat = flat
+        self.grads = grads
+        self.parts = parts
+        total = sum(g.numel() for g in grads)
+        self.flags = flat[total : total + len(params)]
+        self.marks = flat[total:]  # the flags and the presence flag
+        self._everyone = float(replicas)  # a flag's sum when every replica has the gradient
+
+    @classmethod
+    def build(cls, strategy: pd.Strategy, params: list[torch.Tensor]) -> _GradientBucket | None:
+        from polydist_torch._multi_worker import TorchProcessGroupBackend
+
+        group = replica_group(strategy)
+        backend = group.backend
+        if not isinstance(backend, TorchProcessGroupBackend) or len(group.devices) != 1:
+            return None
+        first = params[0]
+        if not backend.owns_buckets(first.dtype) or first.dtype not in _EXACT_COUNTS:
+            return None
+        if any(p.dtype != first.dtype or p.device != first.device for p in params):
+            return None
+        if any(
+            p.grad is not None and (p.grad.is_sparse or p.grad.shape != p.shape) for p in params
+        ):
+            return None
+        total = sum(p.numel() for p in params)
+        flat = torch.zeros(total + len(params) + 1, dtype=first.dtype, device=first.device)
+        grads, offset = [], 0
+        for p in params:
+            own = torch.empty(0, dtype=flat.dtype, device=flat.device)
+            grads.append(own.set_(flat.untyped_storage(), offset, p.shape, ()))
+            offset += p.numel()
+        parts = [tuple(p.shape) for p in params] + [(len(params),)]
+        return cls(backend, list(params), flat, grads, parts, group.size)
+
+    def fits(self, params: list[torch.Tensor]) -> bool:
+        if len(params) != len(self.params):
+            return False
+        for p, q, (shape, dtype, device) in zip(params, self.params, self.layout):
+            if p is not q or p.shape != shape or p.dtype != dtype or p.device != device:
+                return False
+        return True
+
+    def sum(self, params: list[torch.Tensor]) -> None:
+        missing: list[int] = []
+        with torch.no_grad():
+            for i, (p, own) in enumerate(zip(params, self.grads)):
+                g = p.grad
+                if g is own:
+                    continue  # accumulated in place by backward()
+                if g is None:
+                    own.zero_()
+                    missing.append(i)
+                else:
+                    if g.is_sparse:
+                        raise NotImplementedError(
+                            "DistributedOptimizer: sparse gradients (nn.Embedding(sparse=True)) "
+                            "cannot be all-reduced yet; use dense gradients."
+                        )
+                    own.copy_(g)
+            self.marks.fill_(1)
+            for i in missing:
+                self.flags[i] = 0
+            self.backend.all_reduce_bucket_(self.flat, self.parts)
+            if missing or float(self.flags.min()) < self._everyone:
+                counts = self.flags.tolist()
+            else:
+                counts = None  # every worker had every gradient: the common case
+        for i, (p, own) in enumerate(zip(params, self.grads)):
+            if counts is not None and counts[i] == 0:
+                p.grad = None  # no gradient on any replica: the optimizer skips it
+            elif p.grad is not own:
+                p.grad = own
 
 
 def distribute_optimizer(optimizer: torch.optim.Optimizer) -> DistributedOptimizer:
