@@ -97,7 +97,7 @@ def optimizer(strategy: pd.Strategy, rank: int, out: Path) -> None:
     shards = [_data(r) for r in range(2)]
     x, y = shards[rank]
     names = [n for n, _ in model.named_parameters()]
-    report: dict[str, Any] = {"same_grad_object": [], "kept_local": []}
+    report: dict[str, Any] = {"same_grad_object": [], "kept_intact": []}
 
     def reference_step() -> None:
         ref_opt.zero_grad()
@@ -116,6 +116,8 @@ def optimizer(strategy: pd.Strategy, rank: int, out: Path) -> None:
         for name, p, q in zip(names, model.parameters(), reference.parameters(), strict=True):
             assert p.dtype == q.dtype and torch.equal(p.detach(), q.detach()), (step, name, p, q)
 
+    kept: dict[str, Any] = {}
+
     def replica(mode: str) -> Any:
         if mode == "keep":
             opt.zero_grad(set_to_none=False)
@@ -125,21 +127,24 @@ def optimizer(strategy: pd.Strategy, rank: int, out: Path) -> None:
         loss.backward()
         params = list(model.parameters())
         before = [p.grad for p in params]
-        local = [g.clone() if g is not None else None for g in before]
         opt.step()
-        # zero_grad(set_to_none=False): backward accumulated into the bucket's own
-        # tensors, which step() summed where they are (no copy): the same objects.
+        # backward() accumulated into the bucket's own tensors, which step() summed
+        # where they are (no copy): p.grad is the same object, now the sum.
         report["same_grad_object"].append(
             [p.grad is b for p, b in zip(params, before, strict=True) if b is not None]
         )
-        # zero_grad(): autograd's fresh gradients, which the caller may hold, are only read.
-        report["kept_local"].append(
-            [torch.equal(b, c) for b, c in zip(before, local, strict=True) if b is not None]
-        )
+        # A gradient kept from an earlier step keeps its values (fresh memory was taken).
+        if kept:
+            report["kept_intact"].append(
+                [torch.equal(g, v) for g, v in zip(kept["grads"], kept["values"], strict=True)]
+            )
+        if mode == "hold":
+            kept["grads"] = [p.grad for p in params if p.grad is not None]
+            kept["values"] = [g.clone() for g in kept["grads"]]
         assert model.unused.weight.grad is None  # no gradient on any worker: stays None
         return loss.detach()
 
-    for step, mode in enumerate(["none", "none", "keep", "keep", "none"]):
+    for step, mode in enumerate(["none", "none", "keep", "hold", "none", "keep"]):
         strategy.run(replica, args=(mode,))
         reference_step()
         check(f"step {step} ({mode})")
@@ -152,6 +157,7 @@ def optimizer(strategy: pd.Strategy, rank: int, out: Path) -> None:
     opt.zero_grad()  # the float32 gradients go too (as for any torch model)
     shards = [(sx.double(), sy.double()) for sx, sy in shards]
     x, y = shards[rank]
+    kept.clear()
     for step in range(2):
         strategy.run(replica, args=("keep",))
         reference_step()

@@ -467,7 +467,9 @@ class _ProcessGroup(mp.ClusterMembership):
         if pending is not None and pending.fast and view.device.type == "cpu":
 
             def reduce() -> None:
-                self._wait_watching(dist.all_reduce(view, op=dist.ReduceOp.SUM, async_op=True))
+                # The process group's own call (what dist.all_reduce issues, without its
+                # per-call Python: logging, profiler ranges), waited for in slices.
+                self._wait_watching(_world().allreduce([view], _SUM_OPTIONS))
 
             self.call("all_reduce", reduce, pending)
             return
@@ -546,6 +548,15 @@ def _unwire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype.is_complex:
         return torch.view_as_complex(tensor.contiguous())
     return tensor.view(dtype)
+
+
+_SUM_OPTIONS = dist.AllreduceOptions()
+_SUM_OPTIONS.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # RedOpType in stubs
+
+
+def _world() -> Any:
+    """torch.distributed's default process group (the cluster's)."""
+    return dist.distributed_c10d._get_default_group()
 
 
 #: Dtypes whose sum of presence flags (one 1 per worker) is exact, by torch name.

@@ -358,7 +358,10 @@ class CollectiveChecker:
             pending.written.result()
         self._passed = n
         fields = [_fields(t) for t in theirs]
-        if any(f[0] != pending.signature for f in fields):
+        # A fast peer where this worker is not fast is a mismatch even if the signatures
+        # read alike: the prediction is the same everywhere, so their collectives differ
+        # (at least in the wire: the presence flag).
+        if any(f[0] != pending.signature or f[2] is not None for f in fields):
             self._predicting = False
             wires = [f[2] for f in fields if f[2] is not None]
             if wires and self._release is not None:
