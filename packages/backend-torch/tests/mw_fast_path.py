@@ -29,6 +29,7 @@ import polydist as pd
 import polydist_torch
 
 GLOBAL_BATCH = 8
+torch.set_num_threads(1)  # the same sums in the workers and the reference
 
 
 def _ctx() -> pd.ReplicaContext:

@@ -38,7 +38,7 @@ import polydist as pd
 from polydist.backend import context as _context
 from polydist.backend import replica_group
 from polydist.backend.context import replica_index
-from polydist.backend.tracing import swap_storage
+from polydist.backend.tracing import is_tracing, swap_storage
 from polydist_torch._backend import TorchBackend, _GradMode
 from polydist_torch._storage import mark_variable_storage
 
@@ -695,6 +695,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """With one replica per worker process: the gradients summed in place in this
         optimizer's own flat bucket (`_GradientBucket`), as DDP does; ``False`` where the
         engine or the parameters do not allow it (then the general path sums them)."""
+        if is_tracing():  # a collective trace records the general path's collective
+            return False
         bucket = self._bucket
         if bucket is None or not bucket.fits(params):
             if bucket is not None:

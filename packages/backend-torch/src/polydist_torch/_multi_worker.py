@@ -462,8 +462,10 @@ class _ProcessGroup(mp.ClusterMembership):
             return
         if tensor.is_complex():
             view = torch.view_as_real(tensor)
-        else:  # unsigned: the signed sum of the same bits is the modular unsigned sum
-            view = tensor.view(_SAME_BITS.get(tensor.dtype, tensor.dtype))
+        elif tensor.dtype in _SAME_BITS:  # the signed sum of the same bits is the modular one
+            view = tensor.view(_SAME_BITS[tensor.dtype])
+        else:  # the tensor itself: gloo's work may outlive the call a little, and a view
+            view = tensor  # of it would count as another holder of its memory meanwhile
         if pending is not None and pending.fast and view.device.type == "cpu":
 
             def reduce() -> None:
