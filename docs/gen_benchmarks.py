@@ -67,7 +67,12 @@ MiB of gradients are all-reduced every step through `MultiWorkerMirroredStrategy
 against hand-written engine code (torch: DDP's flat bucket or one in-place
 `dist.all_reduce` per gradient, over gloo; JAX: `jit(shard_map)` over the
 multi-process mesh). Its ratios are the faster hand-written step's time over
-polydist's (higher is better). Two processes on the 2 shared cores make these
+polydist's (higher is better). On torch the headline
+polydist step is the idiom the torch pages give for training an `nn.Module`,
+`distribute_module` + `distribute_optimizer`, whose `step()` sums the
+gradients in the optimizer's own flat buffer, in place; TF's idiom
+(`ctx.all_reduce` of the gradients, out of place, into `p.grad`) is an
+informational row. Two processes on the 2 shared cores make these
 the noisiest rows: see
 [Running on several hosts](multi-host.md#what-is-not-bounded-and-other-limits).
 

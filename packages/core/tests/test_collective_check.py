@@ -532,3 +532,200 @@ def test_peek_names_a_peer_that_left() -> None:
     found = w0.peek(pending)
     assert list(found) == [1]
     assert found[1].startswith("left the cluster after 0 collective(s) (its program ended"), found
+
+
+# --------------------------------------------------------------------------- the fast path
+
+
+class FastHeartbeat(FakeHeartbeat):
+    """A heartbeat that reports the workers in a fast collective (``fast_at``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast: dict[int, int] = {}  # worker -> its fast collective
+
+    def fast_at(self, n: int) -> list[int]:
+        return [r for r, at in self.fast.items() if at == n]
+
+
+class FakeEngine:
+    """The workers' engine: a collective completes once every worker issued it (a peer's
+    release counts, with a presence of 0) and returns the presence flags' sum."""
+
+    WIRE = "cpu float32 4"
+
+    def __init__(self, world: int = 2) -> None:
+        self.world = world
+        self.lock = threading.Condition()
+        self.waiting: list[int] = []  # presence flags of the collective in flight
+        self.sums: list[int] = []  # each completed collective's sum
+        self.released: list[str] = []
+
+    def release(self, wire: str) -> None:
+        self.released.append(wire)
+        self.issue(0)
+
+    def issue(self, presence: int) -> int:
+        with self.lock:
+            n = len(self.sums)
+            self.waiting.append(presence)
+            if len(self.waiting) == self.world:
+                self.sums.append(sum(self.waiting))
+                self.waiting = []
+                self.lock.notify_all()
+            assert self.lock.wait_for(lambda: len(self.sums) > n, 10), "a collective hangs"
+            return self.sums[n]
+
+
+def _fast_checker(
+    store: MemoryStore, rank: int, heartbeat: FastHeartbeat, engine: FakeEngine
+) -> CollectiveChecker:
+    return CollectiveChecker(
+        store,
+        rank,
+        2,
+        timeout=20.0,
+        heartbeat=heartbeat,
+        names=[f"/job:worker/replica:0/task:{r}" for r in range(2)],
+        addresses=[f"10.0.0.{r + 1}:2222" for r in range(2)],
+        release=engine.release,
+    )
+
+
+def _reduce(c: CollectiveChecker, heartbeat: FastHeartbeat, rank: int, engine: FakeEngine) -> bool:
+    """One all_reduce of float32[3] as an engine with a presence flag runs it; whether
+    the check was fast (the engine's wire, waiting only in the collective)."""
+    with collective_intent("SUM"):
+        pending = c.publish("all_reduce", np.dtype(np.float32), (3,), wire=engine.WIRE)
+        assert pending is not None
+        if pending.fast:
+            heartbeat.fast[rank] = pending.n
+        else:
+            c.confirm(pending)
+        present = engine.issue(1)
+        if present != 2:
+            raise c.fast_mismatch(pending)  # the fast worker's call site
+        return pending.fast
+
+
+def test_a_repeated_collective_is_predicted_and_takes_the_fast_path() -> None:
+    """From the third identical collective on, no signature is written or waited for."""
+    store = MemoryStore()
+    engine = FakeEngine()
+    beats = [FastHeartbeat(), FastHeartbeat()]
+    checkers = [_fast_checker(store, r, beats[r], engine) for r in range(2)]
+    fast: list[list[bool]] = [[], []]
+    turn = threading.Barrier(2)
+
+    def steps(rank: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(6):
+                fast[rank].append(_reduce(checkers[rank], beats[rank], rank, engine))
+                turn.wait(10)
+
+        return run
+
+    assert _together(steps(0), steps(1)) == [None, None]
+    assert fast == [[False, False, True, True, True, True]] * 2
+    assert sorted(k for k in store.data if k.startswith("cc/") and "mode" not in k) == [
+        "cc/1/0",
+        "cc/1/1",
+        "cc/2/0",
+        "cc/2/1",
+    ]
+    # Without a wire (no presence flag in the engine's collective) nothing is fast.
+    plain = _checker(MemoryStore(), 0, world=1)
+    assert not any(
+        (plain.publish("all_reduce", np.dtype(np.float32), (3,)) or pytest.fail("unchecked")).fast
+        for _ in range(4)
+    )
+
+
+def test_a_mismatch_after_many_identical_steps_raises_on_both_with_call_sites() -> None:
+    """Worker 0 repeats its step (fast: it issues the collective at once); worker 1
+    calls another collective: worker 1 sees worker 0 in the fast collective through its
+    heartbeat, releases it with zeros, and both raise, naming both calls."""
+    store = MemoryStore()
+    engine = FakeEngine()
+    shared = FastHeartbeat()  # both workers see each other's fast collective
+    checkers = [_fast_checker(store, r, shared, engine) for r in range(2)]
+    turn = threading.Barrier(2)
+
+    def worker0() -> None:
+        for _ in range(5):
+            _reduce(checkers[0], shared, 0, engine)
+            turn.wait(10)
+        _reduce(checkers[0], shared, 0, engine)
+
+    def worker1() -> None:
+        for _ in range(5):
+            _reduce(checkers[1], shared, 1, engine)
+            turn.wait(10)
+        c = checkers[1]
+        with collective_intent("SUM"):
+            c.confirm(c.publish("all_reduce", np.dtype(np.float32), (4,), wire="cpu float32 5"))
+
+    raised = _together(worker0, worker1)
+    line0 = _line_of("# the fast worker's call site")
+    for e in raised:
+        assert isinstance(e, CollectiveMismatchError), raised
+        lines = str(e).splitlines()
+        assert lines[0].startswith("Workers disagree on their collective #6;"), lines[0]
+        assert "were released with zeros and dropped its result" in lines[0]
+        assert lines[1].startswith(
+            "  worker 0 (/job:worker/replica:0/task:0 at 10.0.0.1:2222): all_reduce(SUM) of "
+            "float32[3] at test_collective_check.py:"
+        ), lines[1]
+        assert lines[1].endswith(f":{line0} in _reduce"), lines[1]
+        assert lines[2].startswith(
+            "  worker 1 (/job:worker/replica:0/task:1 at 10.0.0.2:2222): all_reduce(SUM) of "
+            "float32[4] at test_collective_check.py:"
+        ), lines[2]
+        assert lines[2].endswith(" in worker1"), lines[2]
+    assert engine.released == [FakeEngine.WIRE]  # the wire of worker 0's collective
+    # Prediction stops after a mismatch: the next collective is checked through the store.
+    assert checkers[0].publish("all_reduce", np.dtype(np.float32), (3,), wire="w").fast is False
+
+
+def test_a_peer_that_left_while_a_fast_collective_waits_is_named() -> None:
+    store = MemoryStore()
+    engine = FakeEngine()
+    beat = FastHeartbeat()
+    c = _fast_checker(store, 0, beat, engine)
+    store.set("cc/mode/1", "1")
+    for n in (1, 2):  # two agreed collectives, then a predicted one
+        store.set(f"cc/{n}/1", "all_reduce(SUM) of float32[3]\n")
+        with collective_intent("SUM"):
+            c.confirm(c.publish("all_reduce", np.dtype(np.float32), (3,), wire="w"))
+    with collective_intent("SUM"):
+        pending = c.publish("all_reduce", np.dtype(np.float32), (3,), wire="w")
+    assert pending is not None and pending.fast
+    assert c.mismatch_after(pending, 0.01) is None  # worker 1 published nothing: no verdict
+    store.set("cc/3/1", "left\n2")  # worker 1's program ended (the engine then fails)
+    error = c.mismatch_after(pending, 0.01)
+    assert isinstance(error, CollectiveMismatchError)
+    assert "worker 1 (/job:worker/replica:0/task:1 at 10.0.0.2:2222): left the cluster after 2" in (
+        str(error)
+    )
+
+
+def test_heartbeats_tell_which_fast_collective_a_worker_is_in() -> None:
+    """The fast path writes nothing: a peer learns from the heartbeat (``<beat>
+    <collectives> <fast>``) that this worker waits in its fast collective n."""
+    store = MemoryStore()
+    fast = [0]
+    watcher = Heartbeat(lambda: store, 0, 2, lambda: 0)
+    worker = Heartbeat(lambda: store, 1, 2, lambda: 7, lambda: fast[0])
+    try:
+        deadline = time.monotonic() + 10
+        while "hb/1" not in store.data and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.data["hb/1"].split()[1:] == ["7", "0"]
+        fast[0] = 7
+        while watcher.fast_at(7) != [1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.fast_at(7) == [1] and watcher.fast_at(6) == []
+        assert store.data["hb/0"].split()[2] == "0"  # a worker with no fast collective
+    finally:
+        watcher.stop(wait=5)
+        worker.stop(wait=5)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -35,8 +36,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import polydist as pd
 from polydist.backend import context as _context
+from polydist.backend import replica_group
 from polydist.backend.context import replica_index
-from polydist.backend.tracing import swap_storage
+from polydist.backend.tracing import is_tracing, swap_storage
 from polydist_torch._backend import TorchBackend, _GradMode
 from polydist_torch._storage import mark_variable_storage
 
@@ -563,6 +565,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._alone = strategy.num_replicas_in_sync == 1
         self._replicas = tuple(replicas)
         self._reduced: dict[int, bool] = {}
+        self._bucket: _GradientBucket | None = None
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
 
@@ -657,6 +660,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not params:
             self._reduced[r] = True
             return
+        if len(self._replicas) == 1 and self._bucket_sum(params):
+            self._reduced[r] = True
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         # The flags travel in the gradients' pack when they share a float dtype that
         # counts replicas exactly: a pack of their own would be a second collective
@@ -684,6 +690,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     p.grad.copy_(total)
         self._reduced[r] = True
+
+    def _bucket_sum(self, params: list[torch.Tensor]) -> bool:
+        """With one replica per worker process: the gradients summed in place in this
+        optimizer's own flat bucket (`_GradientBucket`), as DDP does; ``False`` where the
+        engine or the parameters do not allow it (then the general path sums them)."""
+        if is_tracing():  # a collective trace records the general path's collective
+            return False
+        bucket = self._bucket
+        if bucket is None or not bucket.fits(params):
+            if bucket is not None:
+                bucket.remove()
+            bucket = self._bucket = _GradientBucket.build(self._strategy, params)
+            if bucket is None:
+                return False
+        bucket.sum(params)
+        return True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """All-reduces the gradients (SUM) and steps this replica's copy (replica context)."""
@@ -750,6 +772,187 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "DistributedOptimizer.add_param_group: add the group to the optimizer before "
             "polydist_torch.distribute_optimizer."
         )
+
+
+class _GradientBucket:
+    """A `DistributedOptimizer`'s gradients in one flat buffer that it owns, for a worker
+    process whose one replica steps it (``MultiWorkerMirroredStrategy`` with one replica
+    per worker): DDP's ``gradient_as_bucket_view``, keeping torch's semantics of
+    ``p.grad``.
+
+    Layout: every parameter's gradient (each a tensor of its own on the buffer's memory,
+    which becomes ``p.grad``), one has-gradient flag per parameter, and the engine's
+    presence flag (``TorchProcessGroupBackend.all_reduce_bucket_``). A hook on each
+    parameter runs before autograd accumulates its gradient: where ``p.grad`` is None
+    (after ``zero_grad()``), it becomes the bucket's tensor, zeroed, so that
+    ``backward()`` accumulates into the bucket in place; a ``p.grad`` kept by
+    ``zero_grad(set_to_none=False)`` is the bucket's tensor already. ``step()`` then sums
+    the bucket in place with the engine's own ``all_reduce``: no copy in or out. A
+    gradient that is another tensor (one you assigned; ``create_graph=True``) is copied
+    in, and ``p.grad`` becomes the bucket's tensor; a parameter that got no gradient
+    (also one whose hook ran but that ``backward()`` did not accumulate into, as
+    ``torch.autograd.grad`` does) counts zero, and keeps ``grad=None`` when no replica
+    has one. The memory is reused only while nothing else refers to it: if your program
+    kept a gradient of an earlier step (``g = p.grad``, a view, a NumPy array of it),
+    the next step takes fresh memory and yours keeps its values. Rebuilt when the
+    parameters change (another list, shape, dtype or device).
+    """
+
+    def __init__(
+        self, backend: Any, params: list[torch.Tensor], parts: list[tuple[int, ...]], size: int
+    ) -> None:
+        self.backend = backend
+        self.params = params
+        self.layout = [(p.shape, p.dtype, p.device) for p in params]
+        self.parts = parts
+        self._everyone = float(size)  # a flag's sum when every replica has the gradient
+        self.total = sum(p.numel() for p in params)
+        self.flat = torch.empty(0)
+        self.grads: list[torch.Tensor] = []
+        self.flags = self.marks = self.flat
+        self._allocate()
+        # Hook-installed gradients' versions: unchanged at step() means not accumulated.
+        self.installed: dict[int, int] = {}
+        self.checked = False  # memory checked for other holders since the last step
+        me = weakref.ref(self)
+        self.handles = [
+            p.register_hook(_installer(me, i))  # type: ignore[no-untyped-call]
+            for i, p in enumerate(params)
+        ]
+
+    def _allocate(self) -> None:
+        first, k = self.params[0], len(self.params)
+        flat = torch.zeros(self.total + k + 1, dtype=first.dtype, device=first.device)
+        grads, offset = [], 0
+        for p in self.params:
+            own = torch.empty(0, dtype=flat.dtype, device=flat.device)
+            grads.append(own.set_(flat.untyped_storage(), offset, p.shape, ()))
+            offset += p.numel()
+        self.flat, self.grads = flat, grads
+        self.flags = flat[self.total : self.total + k]
+        self.marks = flat[self.total :]  # the flags and the presence flag
+        self._storage_uses = _storage_uses(flat)
+        own = grads[0]
+        self._grad_refs = sys.getrefcount(own)  # as `private` counts: the list, a local
+
+    @classmethod
+    def build(cls, strategy: pd.Strategy, params: list[torch.Tensor]) -> _GradientBucket | None:
+        from polydist_torch._multi_worker import TorchProcessGroupBackend
+
+        if _STORAGE_USE_COUNT is None:  # no way to tell whether the memory is shared
+            return None
+        group = replica_group(strategy)
+        backend = group.backend
+        if not isinstance(backend, TorchProcessGroupBackend) or len(group.devices) != 1:
+            return None
+        first = params[0]
+        if not backend.owns_buckets(first.dtype) or first.dtype not in _EXACT_COUNTS:
+            return None
+        if any(p.dtype != first.dtype or p.device != first.device for p in params):
+            return None
+        if len({id(p) for p in params}) != len(params):
+            return None  # a parameter listed twice
+        parts = [tuple(p.shape) for p in params] + [(len(params),)]
+        return cls(backend, list(params), parts, group.size)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def fits(self, params: list[torch.Tensor]) -> bool:
+        if len(params) != len(self.params):
+            return False
+        for p, q, (shape, dtype, device) in zip(params, self.params, self.layout):
+            if p is not q or p.shape != shape or p.dtype != dtype or p.device != device:
+                return False
+        return True
+
+    def private(self) -> None:
+        """Before the bucket writes into its tensors that are not ``p.grad`` (zeroing one
+        for autograd, copying a gradient in): if anything else refers to the memory (a
+        gradient of an earlier step the program kept, a view of it), fresh memory. (A
+        tensor that is ``p.grad`` is summed in place, as ``step()`` promises.)"""
+        self.checked = True
+        shared = _storage_uses(self.flat) != self._storage_uses
+        grads, params = self.grads, self.params
+        for i in range(len(grads)):  # no zip: its reused tuple would hold a reference
+            if shared:
+                break
+            own = grads[i]
+            if params[i].grad is not own:
+                shared = sys.getrefcount(own) != self._grad_refs
+        if shared:
+            self._allocate()  # what the program holds keeps its values
+
+    def install(self, i: int) -> None:
+        """Autograd is about to accumulate parameter ``i``'s gradient (its hook)."""
+        p = self.params[i]
+        shape, dtype, device = self.layout[i]
+        if p.grad is not None or p.dtype != dtype or p.shape != shape or p.device != device:
+            return  # a changed parameter: step() rebuilds the bucket
+        if not self.checked:
+            self.private()
+        own = self.grads[i]
+        own.zero_()
+        self.installed[i] = own._version
+        p.grad = own
+
+    def sum(self, params: list[torch.Tensor]) -> None:
+        if not self.checked and any(p.grad is not own for p, own in zip(params, self.grads)):
+            self.private()  # about to zero or copy into a tensor that is not p.grad
+        missing: list[int] = []
+        installed, self.installed = self.installed, {}
+        with torch.no_grad():
+            for i, (p, own) in enumerate(zip(params, self.grads)):
+                g = p.grad
+                if g is own:
+                    if installed.get(i, -1) == own._version:  # hooked, never accumulated
+                        p.grad = None
+                        missing.append(i)
+                    continue  # accumulated in place by backward()
+                if g is None:
+                    own.zero_()
+                    missing.append(i)
+                else:
+                    if g.is_sparse:
+                        raise NotImplementedError(
+                            "DistributedOptimizer: sparse gradients (nn.Embedding(sparse=True)) "
+                            "cannot be all-reduced yet; use dense gradients."
+                        )
+                    own.copy_(g)
+            self.marks.fill_(1)
+            for i in missing:
+                self.flags[i] = 0
+            self.backend.all_reduce_bucket_(self.flat, self.parts)
+            summed: list[float] = self.flags.tolist()
+            # None: every worker had every gradient (the common case).
+            counts = None if not missing and min(summed) == self._everyone else summed
+        self.checked = False
+        for i, (p, own) in enumerate(zip(params, self.grads)):
+            if counts is not None and counts[i] == 0:
+                p.grad = None  # no gradient on any replica: the optimizer skips it
+            elif p.grad is not own:
+                p.grad = own
+
+
+def _installer(bucket: weakref.ref[_GradientBucket], i: int) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        owner = bucket()
+        if owner is not None:
+            owner.install(i)
+
+    return hook
+
+
+#: How many tensors (and storage objects) share a storage (see ``_host_all_reduce``).
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_uses(tensor: torch.Tensor) -> int:
+    assert _STORAGE_USE_COUNT is not None
+    count: int = _STORAGE_USE_COUNT(tensor.untyped_storage()._cdata)
+    return count
 
 
 def distribute_optimizer(optimizer: torch.optim.Optimizer) -> DistributedOptimizer:

@@ -61,6 +61,7 @@ import re
 import socket
 import sys
 import tempfile
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -73,13 +74,15 @@ from torch.torch_version import TorchVersion
 
 import polydist as pd
 from polydist import errors
-from polydist.backend import Backend, ClusterToJoin, pack_by_dtype
+from polydist.backend import Backend, ClusterToJoin, pack_by_dtype, tracing
 from polydist.backend import multiprocess as mp
 from polydist.backend.devices import DeviceSpec
 from polydist.backend.multiprocess import (
     DEFAULT_TIMEOUT_SECONDS,
     HEARTBEAT_SECONDS,
     PeerMissing,
+    Pending,
+    collective_intent,
     describe_workers,
 )
 from polydist.cluster_resolver import ClusterResolver
@@ -285,7 +288,7 @@ class _ProcessGroup(mp.ClusterMembership):
         to it (`ClusterMembership.watch`)."""
         self.store = store
         self.make_store = make_store
-        self.watch(lambda: _StoreAdapter(make_store()))
+        self.watch(lambda: _StoreAdapter(make_store()), release=self._release)
 
     # -- joining -----------------------------------------------------------------------------
     @classmethod
@@ -409,7 +412,48 @@ class _ProcessGroup(mp.ClusterMembership):
         cls = errors.DeadlineExceededError if timed_out else errors.UnavailableError
         return cls(f"{head} failed; no other worker looks unavailable or late.{tail}")
 
-    def all_reduce_(self, tensor: torch.Tensor) -> None:
+    # -- the presence flag (``polydist._collectives.check``'s fast path) ---------------------
+    def reduce_checked_(
+        self, flat: torch.Tensor, wire: str | None, pending: Pending | None
+    ) -> None:
+        """The in-place sum of `presence_buffer`'s ``flat`` (checked by `checked_wire` as
+        ``pending``), then its presence flag read (`arrived`)."""
+        self.all_reduce_(flat, pending)
+        if wire is not None:
+            self.arrived(pending, int(flat[-1]))
+
+    def _release(self, wire: str) -> None:
+        """Completes a fast peer's collective ``wire`` (``"cpu float32 1025"``) with zeros
+        (see ``polydist._collectives.check``); an engine error is left for the next
+        collective to report."""
+        device, dtype, numel = wire.split()
+        zeros = torch.zeros(int(numel), dtype=getattr(torch, dtype), device=device)
+        with contextlib.suppress(RuntimeError):
+            dist.all_reduce(zeros, op=dist.ReduceOp.SUM)
+
+    def _wait_watching(self, work: Any) -> None:
+        """Waits for gloo's ``work`` in slices, looking at the heartbeats in between: a
+        fast collective was issued before the peers were known to be there, so a hung
+        peer is named as at the check's wait (about 6 s), not after the timeout."""
+        slice_ = _timedelta(_WAIT_SLICE_SECONDS)
+        deadline = time.monotonic() + self.timeout + _WAIT_SLICE_SECONDS
+        while True:
+            try:
+                work.wait(timeout=slice_)
+                return
+            except RuntimeError:
+                if work.is_completed():  # gloo's own error (or its timeout)
+                    raise
+            silent = self.heartbeat.silent() if self.heartbeat is not None else []
+            if silent or time.monotonic() > deadline:
+                why = (
+                    f"worker(s) {', '.join(map(str, silent))} stopped sending heartbeats"
+                    if silent
+                    else f"timed out after {self.timeout:g} s"
+                )
+                raise PeerMissing(f"{why} while worker {self.rank} waited in the collective")
+
+    def all_reduce_(self, tensor: torch.Tensor, pending: Pending | None = None) -> None:
         wide = _SUM_WIDER.get(tensor.dtype)
         if wide is not None:  # a dtype gloo cannot sum: sum wider, then cast back
             wider = tensor.to(wide)
@@ -418,22 +462,35 @@ class _ProcessGroup(mp.ClusterMembership):
             return
         if tensor.is_complex():
             view = torch.view_as_real(tensor)
-        else:  # unsigned: the signed sum of the same bits is the modular unsigned sum
-            view = tensor.view(_SAME_BITS.get(tensor.dtype, tensor.dtype))
+        elif tensor.dtype in _SAME_BITS:  # the signed sum of the same bits is the modular one
+            view = tensor.view(_SAME_BITS[tensor.dtype])
+        else:  # the tensor itself: gloo's work may outlive the call a little, and a view
+            view = tensor  # of it would count as another holder of its memory meanwhile
+        if pending is not None and pending.fast and view.device.type == "cpu":
+
+            def reduce() -> None:
+                # The process group's own call (what dist.all_reduce issues, without its
+                # per-call Python: logging, profiler ranges), waited for in slices.
+                self._wait_watching(_world().allreduce([view], _SUM_OPTIONS))
+
+            self.call("all_reduce", reduce, pending)
+            return
         self.call("all_reduce", lambda: dist.all_reduce(view, op=dist.ReduceOp.SUM))
 
     def all_reduce(self, tensor: torch.Tensor, cache: ResultCache) -> torch.Tensor:
         """The sum over workers of ``tensor`` as a new tensor; ``tensor`` is only read.
-        Checked (`check`): the copy into the result overlaps the check's round trip."""
+        Checked (`checked_wire`): the copy into the result overlaps the check's round trip."""
+        numel = tensor.numel()
+        wire = wire_of(numel, tensor.dtype, tensor.device)
 
         def copy() -> torch.Tensor:
-            if tensor.device.type != "cpu":
-                return tensor.clone(memory_format=torch.contiguous_format)
-            return cache.empty(tensor.shape, tensor.dtype).copy_(tensor)
+            flat = presence_buffer(numel, tensor.dtype, tensor.device, cache, wire)
+            flat[:numel].view(tensor.shape).copy_(tensor)
+            return flat
 
-        out, _ = self.checked("all_reduce", tensor.dtype, tensor.shape, None, copy)
-        self.all_reduce_(out)
-        return out
+        flat, pending = self.checked_wire("all_reduce", tensor.dtype, tensor.shape, copy, wire)
+        self.reduce_checked_(flat, wire, pending)
+        return own_tensor(flat, 0, tensor.shape)
 
     def broadcast_(self, tensor: torch.Tensor) -> None:
         view = _wire(tensor)
@@ -493,6 +550,63 @@ def _unwire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype.is_complex:
         return torch.view_as_complex(tensor.contiguous())
     return tensor.view(dtype)
+
+
+_SUM_OPTIONS = dist.AllreduceOptions()
+_SUM_OPTIONS.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # RedOpType in stubs
+
+
+def _world() -> Any:
+    """torch.distributed's default process group (the cluster's)."""
+    return dist.distributed_c10d._get_default_group()
+
+
+#: Dtypes whose sum of presence flags (one 1 per worker) is exact, by torch name.
+_PRESENCE = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+# A fast collective's wait looks at the heartbeats this often.
+_WAIT_SLICE_SECONDS = 0.5
+
+
+def _nothing() -> None:
+    return None
+
+
+def wire_of(numel: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """What an all_reduce of ``numel`` elements of ``dtype`` on ``device`` puts on the
+    wire with its presence flag (one element more: ``polydist._collectives.check``'s
+    fast path), e.g. ``"cpu float32 1025"``; ``None`` where the flag's sum would not be
+    exact (the collective then is always checked through the store)."""
+    name = _PRESENCE.get(dtype)
+    return None if name is None else f"{device.type} {name} {numel + 1}"
+
+
+def presence_buffer(
+    numel: int, dtype: torch.dtype, device: torch.device, cache: ResultCache, wire: str | None
+) -> torch.Tensor:
+    """A flat buffer for ``numel`` elements, plus the presence flag (set to 1) when
+    ``wire`` (`wire_of`) has one; on CPU from ``cache``."""
+    size = numel + (wire is not None)
+    if device.type == "cpu":
+        flat = cache.empty((size,), dtype)
+    else:
+        flat = torch.empty(size, dtype=dtype, device=device)
+    if wire is not None:
+        flat[numel] = 1
+    return flat
+
+
+def own_tensor(
+    flat: torch.Tensor, offset: int, shape: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor of its own (not a view: autograd and in-place updates treat it as fresh)
+    on ``flat``'s memory from element ``offset``, contiguous (``set_`` without strides)."""
+    own = torch.empty(0, dtype=flat.dtype, device=flat.device)
+    return own.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape, ())
 
 
 def _check_workers_own_their_gpus() -> None:
@@ -694,15 +808,58 @@ class TorchProcessGroupBackend(TorchBackend):
                 # Out of place: the replica's tensor is only read.
                 return self._group.all_reduce(values[0].to(torch_device(destination)), self._cache)
             first = values[0]  # the local sum overlaps the check's round trip
-            local, _ = self._group.checked(
-                "all_reduce",
-                first.dtype,
-                first.shape,
-                None,
-                lambda: self._local_sum(values, destination),
-            )  # a new tensor
-            self._group.all_reduce_(local)
-        return local
+            device = torch_device(destination)
+            wire = None
+            if all(isinstance(v, torch.Tensor) for v in values):
+                wire = wire_of(first.numel(), first.dtype, device)
+            if wire is None:
+                local, _ = self._group.checked(
+                    "all_reduce",
+                    first.dtype,
+                    first.shape,
+                    None,
+                    lambda: self._local_sum(values, destination),
+                )  # a new tensor
+                self._group.all_reduce_(local)
+                return local
+            numel = first.numel()
+
+            def local_sum() -> torch.Tensor:
+                flat = presence_buffer(numel, first.dtype, device, self._cache, wire)
+                total = flat[:numel].view(first.shape)
+                if device.type == "cpu":
+                    self._local_sum(values, destination, out=total)
+                else:
+                    total.copy_(TorchBackend.reduce_to(self, values, destination))
+                return flat
+
+            flat, pending = self._group.checked_wire(
+                "all_reduce", first.dtype, first.shape, local_sum, wire
+            )
+            self._group.reduce_checked_(flat, wire, pending)
+        return own_tensor(flat, 0, first.shape)
+
+    def owns_buckets(self, dtype: torch.dtype) -> bool:
+        """Whether `all_reduce_bucket_` sums buckets of ``dtype`` (connected to a cluster,
+        and a dtype whose presence flag sums exactly)."""
+        return self.connected and dtype in _PRESENCE and not tracing.is_tracing()
+
+    def all_reduce_bucket_(self, flat: torch.Tensor, parts: Sequence[tuple[int, ...]]) -> None:
+        """Sums ``flat`` over the workers in place: a flat buffer that a library component
+        owns and no user code reaches (``DistributedOptimizer``'s gradient bucket), of a
+        process whose one replica calls this (no local sum), whose last element is the
+        presence flag (set here). Checked as an ``all_reduce(SUM)`` of the ``parts``
+        (their shapes) packed, with the fast path of ``polydist._collectives.check``: no
+        copy, and no round trip for a repeated step, as DDP's bucket."""
+        assert self._group is not None
+        numel = flat.numel() - 1
+        wire = wire_of(numel, flat.dtype, flat.device)
+        with torch.no_grad(), collective_intent("SUM"):
+            flat[numel] = 1
+            _, pending = self._group.checked_wire(
+                "all_reduce", flat.dtype, (numel,), _nothing, wire, parts=parts
+            )
+            self._group.reduce_checked_(flat, wire, pending)
 
     def batch_all_reduce(
         self, columns: Sequence[Sequence[Any]], destinations: Sequence[str], bytes_per_pack: int
@@ -745,36 +902,33 @@ class TorchProcessGroupBackend(TorchBackend):
         small = [n * dtype.itemsize < CACHE_MIN_BYTES for n in numels]
         order = [i for i, s in enumerate(small) if not s] + [i for i, s in enumerate(small) if s]
         total = sum(numels)
-
-        def alloc() -> torch.Tensor:
-            if device.type == "cpu":
-                return self._cache.empty((total,), dtype)
-            return torch.empty(total, dtype=dtype, device=device)
+        wire = wire_of(total, dtype, device)
 
         def fill() -> torch.Tensor:  # the local sums, while the check's round trip travels
-            flat = alloc()
+            flat = presence_buffer(total, dtype, device, self._cache, wire)
+            body = flat[:total] if wire is not None else flat
             if device.type != "cpu":
                 offset = 0
                 for i in order:
                     local = TorchBackend.reduce_to(self, columns[i], destination)
-                    flat[offset : offset + numels[i]].copy_(local.reshape(-1))
+                    body[offset : offset + numels[i]].copy_(local.reshape(-1))
                     offset += numels[i]
                 return flat
             # In replica order, as `_local_sum`: replica 0's arrays, plus replica 1's, ...
-            torch.cat([columns[i][0].to(device).reshape(-1) for i in order], out=flat)
+            torch.cat([columns[i][0].to(device).reshape(-1) for i in order], out=body)
             for k in range(1, len(columns[0])):
-                scratch = alloc()
+                scratch = self._cache.empty((total,), dtype)
                 torch.cat([columns[i][k].to(device).reshape(-1) for i in order], out=scratch)
-                flat.add_(scratch)
+                body.add_(scratch)
             return flat
 
         with torch.no_grad():
-            flat, _ = self._group.checked(
-                "all_reduce", dtype, (total,), None, fill, parts=[tuple(s) for s in shapes]
+            flat, pending = self._group.checked_wire(
+                "all_reduce", dtype, (total,), fill, wire, parts=[tuple(s) for s in shapes]
             )
-            self._group.all_reduce_(flat)
+            self._group.reduce_checked_(flat, wire, pending)
             start = sum(numels[i] for i in order if not small[i])  # where the small ones are
-            tail = flat[start:].clone().untyped_storage() if any(small) else None
+            tail = flat[start:total].clone().untyped_storage() if any(small) else None
         # Tensors of their own (not views), so that autograd and in-place updates treat
         # each as the fresh tensor a lone all_reduce returns (set_ with no strides:
         # contiguous).
@@ -794,13 +948,16 @@ class TorchProcessGroupBackend(TorchBackend):
             offset += n
         return results
 
-    def _local_sum(self, values: Sequence[Any], destination: str) -> Any:
-        """The sum of this worker's values in replica order, into a cached block on CPU."""
+    def _local_sum(
+        self, values: Sequence[Any], destination: str, out: torch.Tensor | None = None
+    ) -> Any:
+        """The sum of this worker's values in replica order, into ``out`` or a cached block
+        on CPU."""
         device = torch_device(destination)
         if device.type != "cpu" or not all(isinstance(v, torch.Tensor) for v in values):
             return super().reduce_to(values, destination)
         first = values[0].to(device)
-        total = self._cache.empty(first.shape, first.dtype)
+        total = self._cache.empty(first.shape, first.dtype) if out is None else out
         torch.add(first, values[1].to(device), out=total)
         for value in values[2:]:
             total.add_(value.to(device))

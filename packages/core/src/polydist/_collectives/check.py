@@ -29,6 +29,31 @@ digest): `CollectiveChecker.announce` numbers it without a store write,
 `CollectiveChecker.settled` ends it, and only if the exchange waits does the
 engine `publish_late` the signature and `peek` at the peers', so that a peer at
 another collective raises the mismatch.
+**Fast path: a collective the workers' history predicts.** Training repeats
+the same collectives step after step. Every worker keeps the same table of
+which signature followed which in the collectives all of them agreed on; when
+an engine can carry an in-band *presence flag* in a collective (an extra
+element of an all-reduce's buffer, to which every worker adds 1: the engine's
+own collective, no other), it passes ``wire`` (what it will issue, e.g.
+``cpu float32 1048577``) to `CollectiveChecker.publish`. If the signature is
+the one the table predicts, the check is *fast*: nothing is written or read,
+and the engine issues the collective at once; the worker's heartbeat says that
+it is in fast collective ``n``. This is safe because the prediction is the same
+on every worker (the same agreed history), so workers that all take the fast
+path run the same collective. A worker whose collective is not the predicted
+one takes the slow path; while it waits for the others' signatures it looks at
+their heartbeats, and a peer in fast collective ``n`` is a mismatch: it first
+issues the collective that peer waits in, with zeros (``release``, with the wire
+the table recorded for the predicted signature, so sizes match and nothing hangs
+or aborts), whose presence flag then sums to less than the number of workers,
+and raises `CollectiveMismatchError`. The fast peers see the short sum
+(`CollectiveChecker.fast_mismatch`) and raise the same diagnosis, call sites
+included. A peer that left or died while a fast peer waits in the collective
+shows as the engine's failure there, which the engine looks up
+(`CollectiveChecker.mismatch_after`). After any mismatch, prediction stops for
+the rest of the run. So a repeated step costs no store traffic at all; a
+mismatch against a fast peer is found within about a heartbeat (0.5 to 1 s).
+
 ``$POLYDIST_CHECK_COLLECTIVES=0`` (a polydist extension) turns the check
 off; every worker publishes its setting when it joins, and the check runs
 only when all workers have it on.
@@ -72,6 +97,8 @@ CHECK_ENV = "POLYDIST_CHECK_COLLECTIVES"
 _SLICE_SECONDS = 0.5
 # What a worker publishes as its next signature when it leaves the cluster.
 _LEFT = "left"
+# How a mismatch names a worker whose signature did not arrive.
+_ABSENT = "(did not publish its collective)"
 #: How long worker 0 waits for the others to read a mismatch before raising it.
 _LINGER_SECONDS = 5.0
 
@@ -194,6 +221,14 @@ class Pending(NamedTuple):
     signature: str
     payload: str
     written: Future[None] | None  # the write, when it runs on the publisher thread
+    #: Predicted (the fast path): the engine issues the collective without waiting.
+    fast: bool = False
+
+
+def _fields(text: str) -> tuple[str, str, str | None]:
+    """A published value: (signature, payload, wire of a fast collective or None)."""
+    parts = text.split("\n", 2)
+    return parts[0], parts[1] if len(parts) > 1 else "", parts[2] if len(parts) > 2 else None
 
 
 class CollectiveChecker:
@@ -211,6 +246,10 @@ class CollectiveChecker:
         overlap_writes: write each signature on a thread of its own while waiting for
             the others' (for a store whose writes wait for a reply; ``store`` must then
             be safe to use from two threads).
+        release: ``release(wire)`` issues the engine's collective that a fast peer
+            waits in (``wire`` as that peer published it), with zeros, so that the
+            peer's presence flag shows the mismatch (see the module doc); without it,
+            no collective takes the fast path.
     """
 
     def __init__(
@@ -225,8 +264,17 @@ class CollectiveChecker:
         addresses: Sequence[str] = (),
         enabled: bool = True,
         overlap_writes: bool = False,
+        release: Callable[[str], None] | None = None,
     ) -> None:
         self._store = store
+        self._release = release
+        # The agreed history's table (the same on every worker): signature -> the next one.
+        self._next: dict[str | None, str] = {}
+        self._wires: dict[str | None, str] = {}  # a signature's wire (the same everywhere)
+        self._last: str | None = None
+        self._predicting = release is not None
+        # (n, the signature predicted for collective n, its wire), set by `publish`.
+        self._predicted: tuple[int, str | None, str | None] = (0, None, None)
         self._publisher = (
             ThreadPoolExecutor(1, thread_name_prefix=f"polydist-check-{rank}")
             if overlap_writes and enabled
@@ -264,6 +312,7 @@ class CollectiveChecker:
         axis: int | None = None,
         payload: str = "",
         parts: Sequence[Sequence[int]] | None = None,
+        wire: str | None = None,
     ) -> Pending | None:
         """Called right before this worker issues a cross-process collective ``op`` of an
         array of ``dtype`` and ``shape`` (``axis``: an all_gather's; ``dtype=None``: ``op``
@@ -272,13 +321,24 @@ class CollectiveChecker:
         round trip. `confirm` must follow, in the same call stack, before the collective
         is issued. ``payload`` (one line, not compared) travels with the signature.
         ``parts``: the shapes of the arrays packed into this collective (``shape`` is
-        then the pack's), compared too."""
+        then the pack's), compared too. ``wire``: the engine's collective for this
+        signature, which carries a presence flag: the check may then be fast
+        (``Pending.fast``; see the module doc): `confirm` returns at once and the
+        engine calls `fast_mismatch` when the flag's sum is short."""
         self._learn_mode()
         self.seq += 1
         if not self._enabled:
             return None
         mine = _signature(op, dtype, shape, axis, parts)
         key, value = f"cc/{self.seq}/{self._rank}", f"{mine}\n{payload}"
+        if self._predicting:
+            predicted = self._next.get(self._last)
+            self._predicted = (self.seq, predicted, self._wires.get(predicted))
+            self._next[self._last] = self._last = mine
+            if wire is not None:
+                self._wires[mine] = wire
+                if predicted == mine:  # nothing to write: the heartbeat says where it is
+                    return Pending(self.seq, mine, payload, None, fast=True)
         if self._publisher is None:
             self._store.set(key, value)
             return Pending(self.seq, mine, payload, None)
@@ -290,20 +350,68 @@ class CollectiveChecker:
         `CollectiveMismatchError` when another worker is at a different one, `PeerMissing`
         when one does not get there (see the module doc). Returns every worker's payload
         in rank order, or ``None`` when checks are off."""
-        if pending is None:
+        if pending is None or pending.fast:
             return None
         n = pending.n
-        theirs = self._wait([f"cc/{n}/{r}" for r in self._others], f"collective #{n}")
+        theirs = self._wait([f"cc/{n}/{r}" for r in self._others], f"collective #{n}", n)
         if pending.written is not None:
             pending.written.result()
         self._passed = n
-        if any(t.partition("\n")[0] != pending.signature for t in theirs):
+        fields = [_fields(t) for t in theirs]
+        # A fast peer where this worker is not fast is a mismatch even if the signatures
+        # read alike: the prediction is the same everywhere, so their collectives differ
+        # (at least in the wire: the presence flag).
+        if any(f[0] != pending.signature or f[2] is not None for f in fields):
+            self._predicting = False
+            wires = [f[2] for f in fields if f[2] is not None]
+            if wires and self._release is not None:
+                # Fast peers issued their collective: complete it (with zeros) so that
+                # they see the mismatch instead of waiting in it.
+                self._release(wires[0])
             calls = dict(zip(self._others, theirs))
             calls[self._rank] = f"{pending.signature}\n{pending.payload}"
             raise self._mismatch(n, calls, self._call_sites(n, calls))
-        payloads = [t.partition("\n")[2] for t in theirs]
+        payloads = [f[1] for f in fields]
         payloads.insert(self._rank, pending.payload)
         return payloads
+
+    def fast_mismatch(self, pending: Pending) -> CollectiveMismatchError:
+        """The engine's fast collective ``pending`` completed, but its presence flag
+        summed to less than the number of workers: a peer at another collective
+        released it (see the module doc). Reads what every worker was at and returns
+        the mismatch (call sites included) to raise."""
+        found = self.mismatch_after(pending, min(self._timeout, _LINGER_SECONDS))
+        if found is not None:
+            return found
+        self._predicting = False
+        calls = {r: f"{_ABSENT}\n" for r in self._others}
+        calls[self._rank] = f"{pending.signature}\n{pending.payload}\nissued"
+        return self._mismatch(pending.n, calls, {})
+
+    def mismatch_after(self, pending: Pending, seconds: float) -> CollectiveMismatchError | None:
+        """After fast collective ``pending`` did not complete normally (the engine failed
+        in it, or `fast_mismatch`): the mismatch if another worker published a different
+        collective (or left), waiting up to ``seconds`` for the others' signatures;
+        ``None`` if those that published agree."""
+        n = pending.n
+        keys = [f"cc/{n}/{r}" for r in self._others]
+        everyone = self._store.get_all(keys, seconds)
+        got: list[str | None] = list(everyone) if everyone is not None else []
+        if everyone is None:  # those present now
+            for key in keys:
+                found = self._store.get_all([key], 0.001)
+                got.append(found[0] if found is not None else None)
+        calls = {r: t for r, t in zip(self._others, got) if t is not None}
+        if all(_fields(t)[0] == pending.signature for t in calls.values()):
+            return None
+        fast_at = getattr(self._heartbeat, "fast_at", None)
+        for r in fast_at(n) if fast_at is not None else ():
+            calls.setdefault(r, f"{pending.signature}\n\nissued")  # fast at n, as this one
+        self._predicting = False
+        for r in self._others:
+            calls.setdefault(r, f"{_ABSENT}\n")
+        calls[self._rank] = f"{pending.signature}\n{pending.payload}\nissued"
+        return self._mismatch(n, calls, self._call_sites(n, calls))
 
     def announce(self, op: str) -> Pending | None:
         """Numbers collective ``op`` like `publish`, but writes nothing yet: the engine
@@ -315,7 +423,10 @@ class CollectiveChecker:
         self.seq += 1
         if not self._enabled:
             return None
-        return Pending(self.seq, _signature(op, None, (), None), "", None)
+        mine = _signature(op, None, (), None)
+        if self._predicting:
+            self._next[self._last] = self._last = mine
+        return Pending(self.seq, mine, "", None)
 
     def publish_late(self, pending: Pending | None) -> None:
         """Writes `announce`'s signature ``pending`` (any thread; once is enough)."""
@@ -339,7 +450,7 @@ class CollectiveChecker:
         for r in self._others:
             got = self._store.get_all([f"cc/{pending.n}/{r}"], 0.001)
             text = got[0] if got is not None else pending.signature
-            call = text.partition("\n")[0]
+            call = _fields(text)[0]
             if call != pending.signature:  # its call site is not known yet
                 found[r] = self._describe(text, None) if call == _LEFT else call
         return found
@@ -357,7 +468,7 @@ class CollectiveChecker:
         reads the others'. Worker 0 returns once the others have read (`_linger`)."""
         source = _INTENT.source if _INTENT.active and _INTENT.source is not None else None
         sites = {self._rank: source() if source is not None else _trace.user_source_line()}
-        peers = [r for r in self._others if calls[r].partition("\n")[0] != _LEFT]
+        peers = [r for r in self._others if _fields(calls[r])[0] not in (_LEFT, _ABSENT)]
         try:
             self._store.set(f"cc/{n}/where/{self._rank}", sites[self._rank])
             seconds = min(self._timeout, _LINGER_SECONDS)
@@ -393,13 +504,28 @@ class CollectiveChecker:
         except Exception:  # the store (worker 0) is gone: nobody to tell
             pass
 
-    def _wait(self, keys: list[str], what: str) -> list[str]:
+    def _wait(self, keys: list[str], what: str, n: int = 0) -> list[str]:
+        """The values of ``keys``; for collective ``n``, a peer whose heartbeat says it is
+        in fast collective ``n`` reads as the predicted signature with its wire."""
         deadline = time.monotonic() + self._timeout
         while True:
             remaining = deadline - time.monotonic()
             values = self._store.get_all(keys, max(min(_SLICE_SECONDS, remaining), 0.001))
             if values is not None:
                 return values
+            fast_at = getattr(self._heartbeat, "fast_at", None)
+            at, predicted, wire = self._predicted
+            if n and at == n and wire is not None and fast_at is not None:
+                fast = fast_at(n)
+                if fast:
+                    got: list[str] = []
+                    for key, r in zip(keys, self._others):
+                        if r in fast:
+                            got.append(f"{predicted}\n\n{wire}")
+                            continue
+                        found = self._store.get_all([key], 0.001)
+                        got.append(found[0] if found is not None else f"{_ABSENT}\n")
+                    return got
             if time.monotonic() >= deadline:
                 raise PeerMissing(
                     f"timed out after {self._timeout:g} s waiting for the other workers to "
@@ -413,7 +539,9 @@ class CollectiveChecker:
                 )
 
     def _describe(self, text: str, site: str | None) -> str:
-        call, _, rest = text.partition("\n")
+        call, rest, _ = _fields(text)
+        if call == _ABSENT:
+            return call
         if call == _LEFT:
             return (
                 f"left the cluster after {rest} collective(s) (its program ended, or it "
@@ -424,9 +552,16 @@ class CollectiveChecker:
     def _mismatch(
         self, n: int, calls: dict[int, str], sites: dict[int, str]
     ) -> CollectiveMismatchError:
+        if any(_fields(text)[2] is not None for text in calls.values()):
+            what = (
+                "so no worker used it (those that issued it, as the repeat of earlier "
+                "collectives, were released with zeros and dropped its result)."
+            )
+        else:
+            what = "so no worker issued it."
         lines = [
             f"Workers disagree on their collective #{n}; on real hardware this program would "
-            "hang, crash or compute wrong values, so no worker issued it.",
+            f"hang, crash or compute wrong values, {what}",
         ]
         for r in sorted(calls):
             name = self._names[r] if r < len(self._names) else "?"

@@ -32,6 +32,8 @@ from polydist.backend._contract import (
 HEARTBEAT_SECONDS = 0.5
 # How long the survivors watch the heartbeats after a failure before naming the dead.
 _SILENCE_SECONDS = 4 * HEARTBEAT_SECONDS
+# How long a worker whose fast collective failed waits for its peers' signatures of it.
+_AFTER_FAILURE_SECONDS = 1.0
 
 
 class HeartbeatStore(Protocol):
@@ -47,8 +49,10 @@ class HeartbeatStore(Protocol):
 
 
 class Heartbeat:
-    """A daemon thread that writes ``"<beat> <collectives>"`` under ``hb/<worker>`` every
-    `HEARTBEAT_SECONDS` and watches the other workers' entries.
+    """A daemon thread that writes ``"<beat> <collectives> <fast>"`` under ``hb/<worker>``
+    every `HEARTBEAT_SECONDS` and watches the other workers' entries (``<fast>``: the
+    number of the latest collective this worker issued on the check's fast path, 0 for
+    none; see ``polydist._collectives.check``).
 
     When a collective fails, `diagnose` tells the workers whose heartbeat stopped
     (dead, hung or cut off) from those alive but behind (they have not entered
@@ -62,11 +66,14 @@ class Heartbeat:
         rank: int,
         world_size: int,
         collectives: Callable[[], int | None],
+        fast: Callable[[], int] = lambda: 0,
     ) -> None:
         self._make_store = make_store
         self._rank = rank
         self._others = [r for r in range(world_size) if r != rank]
         self._collectives = collectives
+        self._fast_now = fast
+        self._fast: dict[int, int] = {}  # worker -> its latest fast collective
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._store_error: BaseException | None = None
@@ -88,7 +95,7 @@ class Heartbeat:
                 if count is None:  # the group is gone
                     return
                 beat += 1
-                store.set(f"hb/{self._rank}", f"{beat} {count}")
+                store.set(f"hb/{self._rank}", f"{beat} {count} {self._fast_now()}")
                 self._watch(store)
                 for chore in list(self._chores):
                     chore(store)
@@ -103,8 +110,9 @@ class Heartbeat:
             value = store.get(f"hb/{r}")
             if value is None:
                 continue
-            beat, count = (int(x) for x in value.split())
+            beat, count, *rest = (int(x) for x in value.split())
             with self._lock:
+                self._fast[r] = rest[0] if rest else 0
                 previous = self._seen.get(r)
                 if previous is None or previous[0] != (beat, count):
                     self._seen[r] = ((beat, count), now)
@@ -115,6 +123,11 @@ class Heartbeat:
         """Runs ``chore(store)`` after each beat, on the heartbeat's thread and store
         connection (it must be quick: a late beat looks like a dead worker)."""
         self._chores.append(chore)
+
+    def fast_at(self, n: int) -> list[int]:
+        """The workers whose latest heartbeat says they are in fast collective ``n``."""
+        with self._lock:
+            return [r for r, fast in self._fast.items() if fast == n]
 
     def silent(self, seconds: float = 2 * _SILENCE_SECONDS) -> list[int]:
         """The workers whose heartbeat this thread has seen unchanged for ``seconds`` (dead,
@@ -211,7 +224,8 @@ class ClusterMembership:
         # At the collective check of the next one: its heartbeat counts it as reached,
         # or a peer waiting there for a stuck third would look behind too.
         self.entering = False
-        self.failure: errors.OpError | None = None
+        self.failure: errors.OpError | errors.CollectiveMismatchError | None = None
+        self.in_fast = 0  # the latest collective issued on the check's fast path
         self.heartbeat: Heartbeat | None = None
         self.checker: CollectiveChecker | None = None
 
@@ -221,17 +235,23 @@ class ClusterMembership:
         *,
         check_timeout: float | None = None,
         overlap_writes: bool = False,
+        release: Callable[[str], None] | None = None,
     ) -> None:
         """Starts the heartbeat (whose thread makes its own store) and the collective
         check (on another ``make_store()``), which waits ``check_timeout`` (default
-        ``timeout``) for the others' signatures."""
+        ``timeout``) for the others' signatures. ``release``: the engine's way to
+        complete a fast peer's collective (`CollectiveChecker`'s; it must not raise)."""
         me = weakref.ref(self)
 
         def collectives() -> int | None:
             member = me()
             return None if member is None else member.collectives + member.entering
 
-        self.heartbeat = Heartbeat(make_store, self.rank, self.world_size, collectives)
+        def fast() -> int:
+            member = me()
+            return 0 if member is None else member.in_fast
+
+        self.heartbeat = Heartbeat(make_store, self.rank, self.world_size, collectives, fast)
         self.checker = CollectiveChecker(
             make_store(),
             self.rank,
@@ -242,6 +262,7 @@ class ClusterMembership:
             addresses=self.addresses,
             enabled=checks_enabled(),
             overlap_writes=overlap_writes,
+            release=release,
         )
 
     # -- collectives ---------------------------------------------------------------------------
@@ -289,6 +310,52 @@ class ClusterMembership:
         finally:
             self.entering = False
 
+    def checked_wire(
+        self,
+        op: str,
+        dtype: Any,
+        shape: Sequence[int],
+        prepare: Callable[[], _T],
+        wire: str | None,
+        parts: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[_T, Pending | None]:
+        """`checked` for a collective whose buffer carries a presence flag (every worker
+        adds 1; ``wire`` names what the engine issues, e.g. ``"cpu float32 1025"``;
+        ``None``: no flag, an ordinary check): the check may take the fast path
+        (``Pending.fast``: no waiting, see ``polydist._collectives.check``). Returns
+        ``prepare()``'s result and the check (``None``: unchecked) for `call` and
+        `arrived`."""
+        if self.checker is None or self.failure is not None:
+            return prepare(), None
+        self.entering = True
+        try:
+            pending = self.checker.publish(op, dtype, shape, None, "", parts, wire=wire)
+            prepared = prepare()
+            if pending is not None and pending.fast:
+                self.in_fast = pending.n  # the heartbeat tells the peers
+            else:
+                self.checker.confirm(pending)
+            return prepared, pending
+        except errors.CollectiveMismatchError:
+            raise  # every worker issued the same number of collectives: still usable
+        except self.engine_errors as e:
+            self.collectives += 1
+            raise self.failed(op, e) from e
+        finally:
+            self.entering = False
+
+    def arrived(self, pending: Pending | None, present: int) -> None:
+        """After `checked_wire`'s collective: its presence flag summed to ``present``.
+        Short of the number of workers, a peer at another collective released this
+        worker's fast one: raises that ``CollectiveMismatchError``."""
+        if pending is None or self.checker is None:
+            return  # unchecked: a short sum is a mismatch the program chose not to check
+        if present == self.world_size:
+            if pending.fast:
+                self.checker.settled(pending)
+            return
+        raise self.checker.fast_mismatch(pending)
+
     def announce(self, op: str) -> Pending | None:
         """For an engine that compares the workers' digests of collective ``op`` in a
         collective of its own (cheaper than the store's round trip): numbers ``op`` as the
@@ -318,9 +385,11 @@ class ClusterMembership:
         if self.checker is not None:
             self.checker.settled(pending)
 
-    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+    def call(self, what: str, fn: Callable[[], Any], pending: Pending | None = None) -> Any:
         """``fn()``, collective ``what``; an engine error in it fails the cluster (`failed`),
-        and once failed, no collective runs."""
+        and once failed, no collective runs. ``pending``: `checked_wire`'s check of it;
+        when fast, an error there may be a peer that left or is at another collective
+        (`CollectiveChecker.mismatch_after`), raised as ``CollectiveMismatchError``."""
         if self.failure is not None:
             raise type(self.failure)(
                 f"{what} cannot run: the cluster failed earlier and cannot be used any more "
@@ -330,13 +399,22 @@ class ClusterMembership:
         try:
             return fn()
         except self.engine_errors as e:
+            if pending is not None and pending.fast and self.checker is not None:
+                try:
+                    mismatch = self.checker.mismatch_after(pending, _AFTER_FAILURE_SECONDS)
+                except Exception:  # the store is gone too: the engine's diagnosis follows
+                    mismatch = None
+                if mismatch is not None:
+                    self.failure = mismatch
+                    raise mismatch from e
             raise self.failed(what, e) from e
 
     def failed(self, what: str, err: BaseException) -> errors.OpError:
         """Records and returns `translate`'s error for ``err``, which ended ``what``: the
         cluster's failure."""
-        self.failure = self.translate(what, err)
-        return self.failure
+        failure = self.translate(what, err)
+        self.failure = failure
+        return failure
 
     def translate(self, what: str, err: BaseException) -> errors.OpError:
         """The ``UnavailableError`` or ``DeadlineExceededError`` for the engine's ``err``,

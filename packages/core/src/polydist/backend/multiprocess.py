@@ -23,6 +23,7 @@ This module holds what every such engine needs besides its collectives:
 from polydist._collectives.check import PeerMissing as PeerMissing
 from polydist._collectives.check import Pending as Pending
 from polydist._collectives.check import SignatureStore as SignatureStore
+from polydist._collectives.check import collective_intent as collective_intent
 from polydist._distributed.cluster import id_in_cluster as id_in_cluster
 from polydist._distributed.cluster import worker_count as worker_count
 from polydist._distributed.membership import ClusterStore as ClusterStore
@@ -52,6 +53,7 @@ __all__ = [
     "Pending",
     "SignatureStore",
     "check_joining",
+    "collective_intent",
     "collective_timeout",
     "describe_workers",
     "gathered_sizes",
