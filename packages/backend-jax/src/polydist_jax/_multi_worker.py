@@ -637,6 +637,8 @@ class _Cluster(mp.ClusterMembership):
     def _disagreement(self, rows: Any) -> str | None:
         """Why the workers' gathered digests ``rows`` do not agree; None if they do."""
         gathered = np.asarray(rows.addressable_data(0))
+        if gathered[:, 0].all() and (gathered == gathered[self.rank]).all():
+            return None
         digests = [row[1:].tobytes().hex() if row[0] else "" for row in gathered]
         unable = [w for w, digest in enumerate(digests) if not digest]
         if unable:
