@@ -67,8 +67,10 @@ MiB of gradients are all-reduced every step through `MultiWorkerMirroredStrategy
 against hand-written engine code (torch: DDP's flat bucket or one in-place
 `dist.all_reduce` per gradient, over gloo; JAX: `jit(shard_map)` over the
 multi-process mesh). Its ratios are the faster hand-written step's time over
-polydist's (higher is better). Two processes on the 2 shared cores make these
-the noisiest rows: see
+polydist's (higher is better). A compiled JAX step carries the workers'
+agreement on its program as its own first collective (one tiny all-gather,
+the body under `lax.cond`), so it is one program and one wait per step. Two
+processes on the 2 shared cores make these the noisiest rows: see
 [Running on several hosts](multi-host.md#what-is-not-bounded-and-other-limits).
 
 The memory rows of `jax-cpu` and `torch-cpu` (`benchmarks/_memory.py`, run

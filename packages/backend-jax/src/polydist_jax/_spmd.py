@@ -1385,19 +1385,15 @@ class CompiledRunner:
         if hit is not None and hit[0]() is value and hit[1] is mesh:
             return value if hit[2] is None else hit[2]
         placed = value if value.sharding == mesh.replicated else mesh.replicate(value)
-        self._remember_placed(value, mesh, placed)
-        return placed
-
-    def _remember_placed(self, value: Any, mesh: _Mesh, placed: Any) -> None:
-        """`_replicated` finds ``placed`` for ``value`` while ``value`` lives."""
-        key = id(value)
+        placed_self = placed is value
 
         def drop(ref: weakref.ref[Any], key: int = key) -> None:
             entry = self._placed.get(key)
             if entry is not None and entry[0] is ref:
                 del self._placed[key]
 
-        self._placed[key] = (weakref.ref(value, drop), mesh, None if placed is value else placed)
+        self._placed[key] = (weakref.ref(value, drop), mesh, None if placed_self else placed)
+        return placed
 
     @staticmethod
     def _component(value: Any, r: int, mesh: _Mesh) -> Any:
@@ -1633,12 +1629,6 @@ class CompiledRunner:
         else:
             split_parts = [_shards(g, mesh) for g in split]
             replicated_parts = [_shards(g, mesh) for g in replicated]
-            if mesh.spans_processes:
-                # A replicated result passed back in (the weights of the next step) is
-                # this very global array again: no new one assembled per step.
-                for g, copies in zip(replicated, replicated_parts, strict=True):
-                    for copy in copies:
-                        self._remember_placed(copy, mesh, g)
             scalars = [o.index for o in program.outputs if o.kind == "split" and o.scalar]
             if scalars and not program.squeezed:
                 squeezed = _per_device(_to_scalar, [split_parts[i] for i in scalars])
