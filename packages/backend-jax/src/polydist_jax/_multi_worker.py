@@ -9,10 +9,12 @@ one per local device (``local_devices=D``; on CPU this sets
 ``("workers", "replica")`` mesh of every process's replica devices,
 worker-major, so the mesh's linear index is the global replica id. Each
 worker assembles its global inputs from its own replicas' values, and gets
-back its own replicas' outputs and variable copies. The workers first agree
-on the program (`_Cluster.agree`: a digest of the function, its input shapes
-and the collectives of its trace, one small all-gather); when one differs or
-cannot compile, every worker runs that call eagerly (where each collective is
+back its own replicas' outputs and variable copies. The workers agree on the
+program inside it: each compiled step begins with one small all-gather of a
+digest of the function, its input shapes and the collectives of its trace,
+and runs its body under ``lax.cond`` only if every digest is the same
+(`_Cluster.compile`); when one differs or cannot compile, every worker runs
+that call eagerly (where each collective is
 checked: workers whose steps issue other collectives raise
 ``CollectiveMismatchError``). Eager runs (``jit=False``, or that fallback)
 run the D replicas on threads, like ``JaxBackend(jit=False)``: each
