@@ -131,6 +131,8 @@ _PROBE_MAX_SECONDS = 4.0
 # How long a collective that failed while a probe ends the process waits for that end
 # (the probe lingers up to 5 s for the peers to read the mismatch).
 _ENDING_WAIT_SECONDS = 15.0
+# How long worker 0, ending after a probe found a mismatch, leaves its peers to raise it.
+_COORDINATOR_GRACE_SECONDS = 2.0
 # JAX's own liveness bounds are set this far beyond polydist's, so that ours fire first.
 _JAX_MARGIN_SECONDS = 10
 
@@ -700,6 +702,10 @@ class _Cluster(mp.ClusterMembership):
             site = _trace.user_source_line(frame=_outside_jax(sys._current_frames().get(caller)))
             with contextlib.suppress(Exception):  # the peers' messages then lack the line
                 checker.report_site(pending, site, sorted(found))
+            if self.rank == 0:
+                # The peers have read the mismatch and now raise it; JAX aborts them once
+                # the coordination service (this process) is gone: let them report first.
+                time.sleep(_COORDINATOR_GRACE_SECONDS)
             return (
                 f"CollectiveMismatchError: Workers disagree on their collective #{pending.n}: "
                 f"worker {self.describe([self.rank])} is at a compiled {_RUN} at {site}, "
