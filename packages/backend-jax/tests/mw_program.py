@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,17 +124,29 @@ def programs(
 ) -> dict[str, list[np.ndarray]]:
     """Two compiled steps of the same function (one name, one module, no inputs) whose
     collectives come from a closure that differs between the workers: other shapes, SUM
-    against MEAN, all_reduce against all_gather. Results: ``out`` of each step. First,
-    ``same_steps`` steps of one program that every worker runs alike (``same_<s>``)."""
-    out: dict[str, list[np.ndarray]] = {}
+    against MEAN, all_reduce against all_gather. Results: ``out`` of each step.
 
-    def same() -> Any:
-        ctx = _ctx()
-        value = np.ones(3, np.float32) * ctx.replica_id_in_sync_group
-        return ctx.all_reduce(pd.ReduceOp.SUM, value)
+    ``same_steps``: instead, two step functions (sums of 3 and of 4 floats) that every
+    worker runs alike, alternately, ``same_steps`` times (``same_<s>``); then worker 0
+    runs the first while worker 1 runs the second: two programs every worker has
+    compiled and agreed on before, which still disagree at that step (``out_0``)."""
+    if same_steps:
 
-    for s in range(same_steps):
-        out[f"same_{s}"] = local_components(strategy, strategy.run(same))
+        def summing(n: int) -> Callable[[], Any]:
+            def step() -> Any:
+                ctx = _ctx()
+                value = np.arange(n, dtype=np.float32) * (ctx.replica_id_in_sync_group + 1)
+                return ctx.all_reduce(pd.ReduceOp.SUM, value)
+
+            return step
+
+        three, four = summing(3), summing(4)
+        out = {
+            f"same_{s}": local_components(strategy, strategy.run(three if s % 2 else four))
+            for s in range(same_steps)
+        }
+        out["out_0"] = local_components(strategy, strategy.run(three if rank == 0 else four))
+        return out
     n = 3 if rank == 0 or case != "shape" else 4
     op = pd.ReduceOp.MEAN if rank == 1 and case == "reduce_op" else pd.ReduceOp.SUM
     gather = rank == 1 and case == "op"
@@ -145,9 +158,7 @@ def programs(
             return ctx.all_gather(value, axis=0)
         return ctx.all_reduce(op, value)
 
-    for s in range(2):
-        out[f"out_{s}"] = local_components(strategy, strategy.run(step))
-    return out
+    return {f"out_{s}": local_components(strategy, strategy.run(step)) for s in range(2)}
 
 
 def uneven_here(strategy: pd.Strategy, rank: int) -> dict[str, list[np.ndarray]]:

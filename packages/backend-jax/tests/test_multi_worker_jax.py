@@ -125,8 +125,9 @@ def test_workers_whose_closures_trace_other_collectives_raise_mismatch(
 
 def test_a_mismatch_after_many_identical_steps_is_still_caught(tmp_path: Path) -> None:
     """Each compiled step carries its own agreement (its first collective): after 20
-    identical steps, one whose program differs between the workers is still found, and
-    both raise CollectiveMismatchError in their eager fallback."""
+    identical steps alternating two programs, a step where worker 0 runs one and worker
+    1 the other (both compiled and agreed on before) is still found, and both raise
+    CollectiveMismatchError in their eager fallback."""
     args = ("programs", "--case", "shape", "--same-steps", "20", "--timeout", "30")
     codes = ENGINE.run(tmp_path, *args, timeout=90)
     assert codes == [17, 17], [mpt.stderr(tmp_path, w)[-2000:] for w in range(mpt.WORKERS)]
