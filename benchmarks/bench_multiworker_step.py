@@ -29,7 +29,10 @@ Contestants, in one run, on the same data and starting weights:
 * JAX **polydist**: ``strategy.run`` of a function that takes the weights and
   the shard, computes ``jax.grad``, ``ctx.all_reduce(SUM, grads)`` and returns
   the new weights (passed in again at the next step), on
-  ``pd.MultiWorkerMirroredStrategy(backend="jax")``;
+  ``pd.MultiWorkerMirroredStrategy(backend="jax")``: one compiled program per
+  step, which begins with the workers' agreement on it (a tiny all-gather of
+  their program digests) and packs the gradients below 1 MiB into one
+  all-reduce operand;
 * JAX **hand-written**: the same function as one ``jax.jit(jax.shard_map(...))``
   over the multi-process mesh (``jax.distributed``), the weights replicated, in
   two ways: ``lax.psum`` of the gradients' list (XLA:CPU runs each operand as a

@@ -72,8 +72,10 @@ polydist step is the idiom the torch pages give for training an `nn.Module`,
 `distribute_module` + `distribute_optimizer`, whose `step()` sums the
 gradients in the optimizer's own flat buffer, in place; TF's idiom
 (`ctx.all_reduce` of the gradients, out of place, into `p.grad`) is an
-informational row. Two processes on the 2 shared cores make these
-the noisiest rows: see
+informational row. A compiled JAX step carries the workers'
+agreement on its program as its own first collective (one tiny all-gather,
+the body under `lax.cond`), so it is one program and one wait per step. Two
+processes on the 2 shared cores make these the noisiest rows: see
 [Running on several hosts](multi-host.md#what-is-not-bounded-and-other-limits).
 
 The memory rows of `jax-cpu` and `torch-cpu` (`benchmarks/_memory.py`, run

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,10 +119,34 @@ def compiled_program(
 PROGRAM_CASES = ("shape", "reduce_op", "op")
 
 
-def programs(strategy: pd.Strategy, case: str, rank: int) -> dict[str, list[np.ndarray]]:
+def programs(
+    strategy: pd.Strategy, case: str, rank: int, same_steps: int = 0
+) -> dict[str, list[np.ndarray]]:
     """Two compiled steps of the same function (one name, one module, no inputs) whose
     collectives come from a closure that differs between the workers: other shapes, SUM
-    against MEAN, all_reduce against all_gather. Results: ``out`` of each step."""
+    against MEAN, all_reduce against all_gather. Results: ``out`` of each step.
+
+    ``same_steps``: instead, two step functions (sums of 3 and of 4 floats) that every
+    worker runs alike, alternately, ``same_steps`` times (``same_<s>``); then worker 0
+    runs the first while worker 1 runs the second: two programs every worker has
+    compiled and agreed on before, which still disagree at that step (``out_0``)."""
+    if same_steps:
+
+        def summing(n: int) -> Callable[[], Any]:
+            def step() -> Any:
+                ctx = _ctx()
+                value = np.arange(n, dtype=np.float32) * (ctx.replica_id_in_sync_group + 1)
+                return ctx.all_reduce(pd.ReduceOp.SUM, value)
+
+            return step
+
+        three, four = summing(3), summing(4)
+        out = {
+            f"same_{s}": local_components(strategy, strategy.run(three if s % 2 else four))
+            for s in range(same_steps)
+        }
+        out["out_0"] = local_components(strategy, strategy.run(three if rank == 0 else four))
+        return out
     n = 3 if rank == 0 or case != "shape" else 4
     op = pd.ReduceOp.MEAN if rank == 1 and case == "reduce_op" else pd.ReduceOp.SUM
     gather = rank == 1 and case == "op"
@@ -136,11 +161,39 @@ def programs(strategy: pd.Strategy, case: str, rank: int) -> dict[str, list[np.n
     return {f"out_{s}": local_components(strategy, strategy.run(step)) for s in range(2)}
 
 
+def uneven_here(strategy: pd.Strategy, rank: int) -> dict[str, list[np.ndarray]]:
+    """A step that worker 0 cannot compile (its own replicas' inputs differ in shape)
+    while worker 1 can: worker 0 sends its agreement alone, worker 1's compiled step
+    finds it and runs nothing, and both run the call eagerly, after a compiled step.
+    Results: each step's ``out``, and the eager fallbacks."""
+
+    def step(v: Any) -> Any:
+        return _ctx().all_gather(v * 2, axis=0)
+
+    def rows(c: pd.InputContext) -> np.ndarray:
+        replica = c.replica_id_in_sync_group
+        uneven = rank == 0 and replica % D == 1
+        return np.arange(3 if uneven else 2, dtype=np.float32) + 10 * replica
+
+    out: dict[str, list[np.ndarray]] = {}
+    even = strategy.experimental_distribute_values_from_function(
+        lambda c: np.arange(2, dtype=np.float32) + 10 * c.replica_id_in_sync_group
+    )
+    out["out_0"] = local_components(strategy, strategy.run(step, args=(even,)))
+    values = strategy.experimental_distribute_values_from_function(rows)
+    out["out_1"] = local_components(strategy, strategy.run(step, args=(values,)))
+    out["out_2"] = local_components(strategy, strategy.run(step, args=(even,)))
+    backend: Any = strategy.extended.backend
+    out["eager_fallback_count"] = [np.asarray(backend.eager_fallback_count)]
+    return out
+
+
 def _compiled_main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("mode", choices=["compiled", "programs"])
+    parser.add_argument("mode", choices=["compiled", "programs", "uneven_here"])
     parser.add_argument("--case", choices=PROGRAM_CASES)
+    parser.add_argument("--same-steps", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--stall-worker-1", type=float, default=0.0)
@@ -149,7 +202,11 @@ def _compiled_main() -> None:
     try:
         strategy = jax_strategy(args)
         if args.mode == "programs":
-            save(out / f"programs{rank}.npz", programs(strategy, args.case, rank))
+            results = programs(strategy, args.case, rank, args.same_steps)
+            save(out / f"programs{rank}.npz", results)
+            return
+        if args.mode == "uneven_here":
+            save(out / f"uneven_here{rank}.npz", uneven_here(strategy, rank))
             return
         stall = args.stall_worker_1 if rank == 1 else 0.0
         results = compiled_program(strategy, args.steps, stall)
@@ -165,7 +222,7 @@ def _compiled_main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[2:3] in (["compiled"], ["programs"]):
+    if sys.argv[2:3] in (["compiled"], ["programs"], ["uneven_here"]):
         _compiled_main()
     else:
         main(jax_strategy)

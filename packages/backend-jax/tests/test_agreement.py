@@ -7,7 +7,7 @@ runs two real workers): it records what `agree` was given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,12 +24,18 @@ class RecordingGroup:
     def __init__(self) -> None:
         self.signatures: list[bytes | None] = []
 
-    def agree(self, signature: bytes | None) -> str | None:
+    def agree(self, signature: bytes | None, mesh: Any) -> str | None:
         self.signatures.append(signature)
         return None
 
-    def execute(self, call: Callable[[], Any]) -> Any:
-        return call()
+    def compile(self, jitted: Any, mesh: Any, inputs: Sequence[Any]) -> Any:
+        return jitted
+
+    def execute(
+        self, signature: bytes, mesh: Any, executable: Any, inputs: Sequence[Any]
+    ) -> tuple[str | None, Any]:
+        self.signatures.append(signature)
+        return None, executable(*inputs)
 
 
 @pytest.fixture

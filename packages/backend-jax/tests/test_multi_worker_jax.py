@@ -123,6 +123,40 @@ def test_workers_whose_closures_trace_other_collectives_raise_mismatch(
     assert all(w in message for w in want), message
 
 
+def test_a_mismatch_after_many_identical_steps_is_still_caught(tmp_path: Path) -> None:
+    """Each compiled step carries its own agreement (its first collective): after 20
+    identical steps alternating two programs, a step where worker 0 runs one and worker
+    1 the other (both compiled and agreed on before) is still found, and both raise
+    CollectiveMismatchError in their eager fallback."""
+    args = ("programs", "--case", "shape", "--same-steps", "20", "--timeout", "30")
+    codes = ENGINE.run(tmp_path, *args, timeout=90)
+    assert codes == [17, 17], [mpt.stderr(tmp_path, w)[-2000:] for w in range(mpt.WORKERS)]
+    for w in range(mpt.WORKERS):
+        raised = mpt.error(tmp_path, w)
+        assert raised["type"] == "CollectiveMismatchError", raised
+        message = raised["message"]
+        assert "float32[3]" in message and "float32[4]" in message, message
+
+
+def test_a_worker_that_cannot_compile_a_step_meets_the_others_compiled_agreement(
+    tmp_path: Path,
+) -> None:
+    """Worker 0's replicas hold inputs of different shapes (it cannot compile the call)
+    while worker 1's are even: worker 0's agreement alone meets worker 1's compiled step,
+    which then runs nothing; both run the call eagerly, and compiled again after."""
+    codes = ENGINE.run(tmp_path, "uneven_here", "--timeout", "30", timeout=90)
+    assert codes == [0, 0], [mpt.stderr(tmp_path, w)[-2000:] for w in range(mpt.WORKERS)]
+    per_worker = [mw_program.load(tmp_path / f"uneven_here{w}.npz") for w in range(mpt.WORKERS)]
+    even = np.concatenate([np.arange(2) + 10 * r for r in range(4)]) * 2
+    uneven = np.concatenate([np.arange(2), np.arange(3) + 10, np.arange(2) + 20, np.arange(2) + 30])
+    for r in per_worker:
+        assert int(r["eager_fallback_count"][0]) == 1
+        for key, want in (("out_0", even), ("out_1", uneven * 2), ("out_2", even)):
+            assert len(r[key]) == mw_program.D, key
+            for got in r[key]:
+                assert np.array_equal(got, want.astype(np.float32)), (key, got, want)
+
+
 # --------------------------------------------------------------------------- faults
 
 

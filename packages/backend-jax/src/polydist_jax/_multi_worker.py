@@ -9,10 +9,12 @@ one per local device (``local_devices=D``; on CPU this sets
 ``("workers", "replica")`` mesh of every process's replica devices,
 worker-major, so the mesh's linear index is the global replica id. Each
 worker assembles its global inputs from its own replicas' values, and gets
-back its own replicas' outputs and variable copies. The workers first agree
-on the program (`_Cluster.agree`: a digest of the function, its input shapes
-and the collectives of its trace, one small all-gather); when one differs or
-cannot compile, every worker runs that call eagerly (where each collective is
+back its own replicas' outputs and variable copies. The workers agree on the
+program inside it: each compiled step begins with one small all-gather of a
+digest of the function, its input shapes and the collectives of its trace,
+and runs its body under ``lax.cond`` only if every digest is the same
+(`_Cluster.compile`); when one differs or cannot compile, every worker runs
+that call eagerly (where each collective is
 checked: workers whose steps issue other collectives raise
 ``CollectiveMismatchError``). Eager runs (``jit=False``, or that fallback)
 run the D replicas on threads, like ``JaxBackend(jit=False)``: each
@@ -73,6 +75,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import jax
@@ -128,6 +131,8 @@ _PROBE_MAX_SECONDS = 4.0
 # How long a collective that failed while a probe ends the process waits for that end
 # (the probe lingers up to 5 s for the peers to read the mismatch).
 _ENDING_WAIT_SECONDS = 15.0
+# How long worker 0, ending after a probe found a mismatch, leaves its peers to raise it.
+_COORDINATOR_GRACE_SECONDS = 2.0
 # JAX's own liveness bounds are set this far beyond polydist's, so that ours fire first.
 _JAX_MARGIN_SECONDS = 10
 
@@ -225,6 +230,17 @@ class _Watchdog:
                 late = generation == self._generation and self._deadline is not None
             if late:
                 _exit_with(message, WATCHDOG_EXIT_CODE)
+
+
+def _outside_jax(frame: FrameType | None) -> FrameType | None:
+    """The first frame from ``frame`` outward that is not JAX's (a step waits in
+    ``jax.block_until_ready``)."""
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
+        "jax",
+        "jaxlib",
+    ):
+        frame = frame.f_back
+    return frame
 
 
 def _exit_with(message: str, code: int) -> None:
@@ -489,7 +505,10 @@ class _Cluster(mp.ClusterMembership):
         )
         self._announced: Pending | None = None  # the step agree is at (for a diagnosis)
         self._ending = threading.Event()  # a probe found a mismatch: the process ends
-        self._digest_arrays: collections.OrderedDict[bytes | None, Any] = collections.OrderedDict()
+        self._digest_arrays: collections.OrderedDict[tuple[bytes | None, Mesh], Any] = (
+            collections.OrderedDict()
+        )
+        self._rows_programs: dict[Mesh, Any] = {}  # `_rows_program`, per step mesh
 
     def _stacked(self, local: Any) -> Any:
         """A global array whose row ``w`` is worker ``w``'s ``local``."""
@@ -566,23 +585,65 @@ class _Cluster(mp.ClusterMembership):
         return out.addressable_data(0)
 
     # -- compiled runs (polydist_jax._spmd.ProcessGroup) -----------------------------------
-    def agree(self, signature: bytes | None) -> str | None:
-        """Whether every worker runs the same compiled program (see the ProcessGroup)."""
-        # The workers' digests travel in one tiny XLA all_gather of an array cached per
-        # program: about 0.4 ms on CPU, against about 1 ms for a round trip through the
-        # coordination service. With checks on, the step is numbered as a checked
-        # collective; its signature reaches the store only if the gather waits (a peer
-        # at another, store-checked collective then raises the mismatch).
-        digest = self._digest_array(signature)
+    # Every compiled step begins with the workers' agreement on its program: one tiny XLA
+    # all-gather of each worker's digest (`_digest_array`), over the step's own mesh,
+    # then the step's body in a ``lax.cond`` on the digests being equal. So a step is one
+    # program and one wait, not an agreement and then the program (two waits, two
+    # dispatches: about 1 ms more per step on CPU). The all-gather is the first
+    # cross-process collective of every such program, the same in all of them, so that
+    # workers at different programs (or one that cannot compile: `agree` runs the
+    # all-gather alone) meet there, all see the digests differ, skip the body, and run
+    # the call eagerly together. With checks on, the step is numbered as a checked
+    # collective; its signature reaches the store only if the step waits (a peer at
+    # another, store-checked collective then raises the mismatch).
+    def agree(self, signature: bytes | None, mesh: _Mesh) -> str | None:
+        """A step's agreement alone (see `polydist_jax._spmd.ProcessGroup`)."""
+        out = self._agreed(signature, mesh, self._rows_program(mesh))
+        return self._disagreement(out)
+
+    def compile(self, jitted: Any, mesh: _Mesh, inputs: Sequence[Any]) -> Any:
+        """``jitted`` behind the agreement (see `polydist_jax._spmd.ProcessGroup`)."""
+        rows_of = self._rows_of(mesh)
+
+        def step(digest: Any, *args: Any) -> Any:
+            rows = rows_of(digest)
+            agreed = jnp.all(rows[:, 0] == 1) & jnp.all(rows == rows[0])
+            shapes = jax.eval_shape(jitted, *args)
+            outputs = jax.lax.cond(
+                agreed, lambda: jitted(*args), lambda: jax.tree.map(_zeros, shapes)
+            )
+            return rows, outputs
+
+        digest = self._digest_array(None, mesh)
+        return jax.jit(step).lower(digest, *inputs).compile()
+
+    def execute(
+        self, signature: bytes, mesh: _Mesh, executable: Any, inputs: Sequence[Any]
+    ) -> tuple[str | None, Any]:
+        """Runs `compile`'s ``executable`` (see `polydist_jax._spmd.ProcessGroup`)."""
+        rows, outputs = self._agreed(signature, mesh, lambda d: executable(d, *inputs))
+        why = self._disagreement(rows)
+        return why, (None if why is not None else outputs)
+
+    def _agreed(self, signature: bytes | None, mesh: _Mesh, run: Callable[[Any], Any]) -> Any:
+        """``run(digest)`` of this worker's digest of ``signature``: a step whose first
+        collective is the agreement, bounded and checked (see `agree`)."""
+        digest = self._digest_array(signature, mesh)
         pending = self.announce(_RUN)
         self._announced = pending
         try:
-            out = self._run(_RUN, lambda: self._gather(digest), self._probe_agreement(pending))
+            out = self._run(_RUN, lambda: run(digest), self._probe_agreement(pending))
         finally:
             self._announced = None
         self.settle(pending)
-        rows = np.asarray(out.addressable_data(0))
-        digests = [row[1:].tobytes().hex() if row[0] else "" for row in rows]
+        return out
+
+    def _disagreement(self, rows: Any) -> str | None:
+        """Why the workers' gathered digests ``rows`` do not agree; None if they do."""
+        gathered = np.asarray(rows.addressable_data(0))
+        if gathered[:, 0].all() and (gathered == gathered[self.rank]).all():
+            return None
+        digests = [row[1:].tobytes().hex() if row[0] else "" for row in gathered]
         unable = [w for w, digest in enumerate(digests) if not digest]
         if unable:
             return (
@@ -599,10 +660,29 @@ class _Cluster(mp.ClusterMembership):
             )
         return None
 
+    def _rows_of(self, mesh: _Mesh) -> Callable[[Any], Any]:
+        """The agreement's all-gather on ``mesh``: every worker's digest row, from a
+        ``(workers, words)`` array split over the workers (each replica device of a
+        worker holds its row; replica k of every worker gathers among themselves)."""
+        return jax.shard_map(
+            functools.partial(jax.lax.all_gather, axis_name=WORKERS, tiled=True),
+            mesh=mesh.mesh,
+            in_specs=pspec(WORKERS),
+            out_specs=pspec(),
+            check_vma=False,
+        )
+
+    def _rows_program(self, mesh: _Mesh) -> Any:
+        program = self._rows_programs.get(mesh.mesh)
+        if program is None:
+            program = self._rows_programs[mesh.mesh] = jax.jit(self._rows_of(mesh))
+        return program
+
     def _probe_agreement(self, pending: Pending | None) -> Callable[[], str | None] | None:
-        """While `agree`'s gather waits: publishes the step's signature (once), then looks
-        for a peer at another collective, which raised ``CollectiveMismatchError``; the
-        gather can never complete then, so this process ends at once, saying so."""
+        """While a step (or its agreement alone) waits: publishes the step's signature
+        (once), then looks for a peer at another collective, which raised
+        ``CollectiveMismatchError``; the step can never complete then, so this process
+        ends at once, saying so."""
         if pending is None or self.checker is None:
             return None
         checker, caller, published = self.checker, threading.get_ident(), False
@@ -619,9 +699,13 @@ class _Cluster(mp.ClusterMembership):
             if not found:
                 return None
             self._ending.set()
-            site = _trace.user_source_line(frame=sys._current_frames().get(caller))
+            site = _trace.user_source_line(frame=_outside_jax(sys._current_frames().get(caller)))
             with contextlib.suppress(Exception):  # the peers' messages then lack the line
                 checker.report_site(pending, site, sorted(found))
+            if self.rank == 0:
+                # The peers have read the mismatch and now raise it; JAX aborts them once
+                # the coordination service (this process) is gone: let them report first.
+                time.sleep(_COORDINATOR_GRACE_SECONDS)
             return (
                 f"CollectiveMismatchError: Workers disagree on their collective #{pending.n}: "
                 f"worker {self.describe([self.rank])} is at a compiled {_RUN} at {site}, "
@@ -650,26 +734,28 @@ class _Cluster(mp.ClusterMembership):
             f"worker {self.describe([w])} is at {at} instead" for w, at in sorted(found.items())
         )
 
-    def _digest_array(self, signature: bytes | None) -> Any:
-        """What `agree` gathers: this worker's row (a flag: it can compile the call, then
-        ``signature``) of a global array, made once per signature (a transfer per step
-        would cost half as much as the gather)."""
-        cached = self._digest_arrays.get(signature)
+    def _digest_array(self, signature: bytes | None, mesh: _Mesh) -> Any:
+        """What the agreement gathers: this worker's row (a flag: it can compile the
+        call, then ``signature``) of a ``(workers, words)`` array on ``mesh``, made once
+        per signature (a transfer per step would cost half as much as the gather)."""
+        key = (signature, mesh.mesh)
+        cached = self._digest_arrays.get(key)
         if cached is not None:
-            self._digest_arrays.move_to_end(signature)
+            self._digest_arrays.move_to_end(key)
             return cached
-        words = np.zeros(_DIGEST_WORDS, dtype=np.int32)
+        words = np.zeros((1, _DIGEST_WORDS), dtype=np.int32)
         if signature is not None:
-            words[0] = 1
-            words[1:] = np.frombuffer(signature[:_SIGNATURE_BYTES], dtype=np.int32)
-        array = self._digest_arrays[signature] = self._stacked(words)
+            words[0, 0] = 1
+            words[0, 1:] = np.frombuffer(signature[:_SIGNATURE_BYTES], dtype=np.int32)
+        blocks = [jax.device_put(words, d) for d in mesh.devices]
+        sharding = NamedSharding(mesh.mesh, pspec(WORKERS))
+        array = jax.make_array_from_single_device_arrays(
+            (self.world_size, _DIGEST_WORDS), sharding, blocks
+        )
+        self._digest_arrays[key] = array
         while len(self._digest_arrays) > _DIGEST_CACHE:
             self._digest_arrays.popitem(last=False)
         return array
-
-    def execute(self, call: Callable[[], Any]) -> Any:
-        """Runs a compiled step across the workers, bounded like every collective."""
-        return self._run(_RUN, call)
 
     def translate(self, what: str, err: BaseException) -> errors.OpError:
         said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -721,6 +807,15 @@ def _local_total(values: Sequence[Any], target: jax.Device) -> Any:
     for v in values[1:]:
         total = _add_jit(total, jax.device_put(v, target))
     return total
+
+
+def _zeros(shape: jax.ShapeDtypeStruct) -> Any:
+    """What a step whose workers disagree gives back instead of its outputs (unused)."""
+    from jax._src.lax.lax import _convert_element_type
+
+    zeros = jax.lax.full(shape.shape, 0, shape.dtype)
+    # Weakly typed like the step's own output: the cond's result keeps its type.
+    return _convert_element_type(zeros, shape.dtype, weak_type=bool(shape.weak_type))
 
 
 def _add(x: Any, y: Any) -> Any:

@@ -434,10 +434,9 @@ class _Program:
     created: list[Variable] = field(default_factory=list)
     evict: Callable[[], None] | None = None
     # Across processes: what every process must agree on before running it (see
-    # ProcessGroup.agree; None until traced), the traced program lowered, and the
-    # program compiled ahead of its first call.
+    # ProcessGroup; None until traced), and the program compiled ahead of its first
+    # call, behind that agreement (`ProcessGroup.compile`).
     signature: bytes | None = None
-    lowered: Any = None
     executable: Any = None
     # What the signature needs besides the trace: (fn, spec, leaves, var_keys, x64).
     signs: tuple[Any, ...] = ()
@@ -832,16 +831,31 @@ def _per_device(fn: Callable[..., tuple[Any, ...]], columns: list[list[Any]]) ->
 
 
 class ProcessGroup(Protocol):
-    """The processes a compiled run spans (``polydist_jax._multi_worker``'s cluster)."""
+    """The processes a compiled run spans (``polydist_jax._multi_worker``'s cluster).
 
-    def agree(self, signature: bytes | None) -> str | None:
-        """A collective of every process: None if all passed this ``signature``, else
-        why not. ``None``: this process's inputs cannot be compiled."""
+    Every process agrees on the program before its collectives run: a compiled step
+    begins with that agreement (`compile`), so each step costs one program, not an
+    agreement and then the program."""
+
+    def agree(self, signature: bytes | None, mesh: _Mesh) -> str | None:
+        """The agreement of a step, alone (a collective of every process): None if all
+        passed this ``signature``, else why not. ``None``: this process's inputs cannot
+        be compiled (the others' steps then run nothing)."""
         ...
 
-    def execute(self, call: Callable[[], Any]) -> Any:
-        """``call()``, which runs a program with cross-process collectives, waited for
-        within the cluster's bounds (its failures become the cluster's errors)."""
+    def compile(self, jitted: Any, mesh: _Mesh, inputs: Sequence[Any]) -> Any:
+        """``jitted`` compiled for ``inputs``, behind the agreement: an executable whose
+        call, given the agreement's input, runs ``jitted``'s collectives only if every
+        process runs the same program."""
+        ...
+
+    def execute(
+        self, signature: bytes, mesh: _Mesh, executable: Any, inputs: Sequence[Any]
+    ) -> tuple[str | None, Any]:
+        """Runs `compile`'s ``executable`` (whose digest is ``signature``) on
+        ``inputs``, waited for within the cluster's bounds (its failures become the
+        cluster's errors): (None, its outputs) if every process ran the same program,
+        else (why not, None)."""
         ...
 
 
@@ -931,12 +945,14 @@ class CompiledRunner:
                 self._throttle(mesh, outputs)
             else:
                 # Compiled ahead (outside the cluster's bound: a compile is no hang),
-                # then run with every cross-process wait bounded.
+                # then run with every cross-process wait bounded; the program's first
+                # collective is the processes' agreement on it (`ProcessGroup`).
                 if program.executable is None:
-                    lowered = program.lowered or program.jitted.lower(*inputs)
-                    program.executable, program.lowered = lowered.compile(), None
-                executable = program.executable
-                outputs = group.execute(lambda: executable(*inputs))
+                    program.executable = group.compile(program.jitted, mesh, inputs)
+                assert program.signature is not None, "set by _prepare_across"
+                why, outputs = group.execute(program.signature, mesh, program.executable, inputs)
+                if why is not None:
+                    raise Uneven(why)
         except _TRACER_ERRORS as e:
             _add_note(e)
             raise
@@ -1305,16 +1321,18 @@ class CompiledRunner:
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> tuple[_Program, list[Any], list[list[Any]], _Mesh, bool]:
-        """`_prepare`, then every process agrees to run the same program: each one
-        builds its global arrays from its own replicas' shapes, so a process whose
-        inputs differ (a partial last batch) would run another program, and traces fn
-        with its own closures and globals. The digest they compare (`_signature`)
-        describes the traced program, computed once, when it is first traced. Otherwise
-        every process raises :class:`Uneven` (and runs this call eagerly)."""
+        """`_prepare`, and the digest of the program on which every process must agree
+        (in `run`, as the step's first collective): each one builds its global arrays
+        from its own replicas' shapes, so a process whose inputs differ (a partial last
+        batch) would run another program, and traces fn with its own closures and
+        globals. The digest (`_signature`) describes the traced program, computed once,
+        when it is first traced. Where they differ every process raises
+        :class:`Uneven` (and runs this call eagerly)."""
         try:
             prepared = self._prepare(replicas, fn, per_replica_args)
         except Uneven:
-            group.agree(None)  # the others fall back to eager mode with this process
+            # The others' steps run nothing; they fall back to eager mode with this one.
+            group.agree(None, self._mesh(replicas.devices))
             raise
         program, traced = prepared[0], prepared[4]
         if traced:
@@ -1325,7 +1343,7 @@ class CompiledRunner:
                 "strategy.run outside JAX transformations: it compiles the step itself."
             )
         if program.signature is None:
-            # Traced (and lowered) once, before agreeing: the digest describes the program
+            # Traced once, before agreeing: the digest describes the program
             # this process would run, whatever its closures and globals hold.
             with _spmd_note():
                 trace = program.jitted.trace(*prepared[1])
@@ -1333,10 +1351,6 @@ class CompiledRunner:
             program.signature = _signature(
                 fn_, spec, leaves, var_keys, x64, trace.jaxpr, program.events
             )
-            program.lowered = trace.lower()
-        why = group.agree(program.signature)
-        if why is not None:
-            raise Uneven(why)
         return prepared
 
     def _prepare(
