@@ -186,3 +186,20 @@ def test_timeout_variable_changes_take_effect_after_it_was_parsed(
     assert timeout_seconds_from_env() == 7.0
     monkeypatch.delenv("POLYDIST_TIMEOUT_SECONDS")
     assert timeout_seconds_from_env(60.0) == 60.0
+
+
+def test_no_worker_counts_as_busy_once_run_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker preempted between waking the caller and rejoining the pool is not busy."""
+    from polydist._strategies import replica_slots
+
+    original = replica_slots._Pool.give_back
+
+    def slow_give_back(self: Any, worker: Any) -> None:
+        threading.Event().wait(0.05)  # the worker thread loses the CPU here
+        original(self, worker)
+
+    monkeypatch.setattr(replica_slots._Pool, "give_back", slow_give_back)
+    strategy = pd.MirroredStrategy(2, backend=SimBackend(replica_mode="thread"))
+    for _ in range(3):
+        strategy.run(lambda: _ctx().all_reduce("SUM", np.float32(1.0)))
+        assert busy_workers() == 0

@@ -318,6 +318,9 @@ class _Worker:
                 return
             task()  # a slot's _body, which catches everything
             del task  # the finished replica and what it returned belong to the caller now
+            # Not busy before ``done`` wakes the caller (who may count busy workers at
+            # once); idle only after, so a new taker cannot get this ``done`` release.
+            self.pool.finished()
             self.done.release()
             self.pool.give_back(self)
 
@@ -341,9 +344,12 @@ class _Pool:
         worker.done.acquire(blocking=False)  # drop a stale release from an abandoned task
         return worker
 
-    def give_back(self, worker: _Worker) -> None:
+    def finished(self) -> None:
         with self._lock:
             self._busy -= 1
+
+    def give_back(self, worker: _Worker) -> None:
+        with self._lock:
             self._idle.append(worker)
 
     def retire(self, worker: _Worker) -> bool:
