@@ -123,36 +123,6 @@ def test_a_lone_thread_replica_still_checks_a_bad_all_reduce() -> None:
         strategy.run(lambda: _ctx().all_reduce("MAX", np.float32(1.0)))
 
 
-def test_plain_leaves_are_known_by_type_once_classified() -> None:
-    x = np.ones(2, np.float32)
-    _nest.flatten([x, None])  # classifies ndarray and NoneType
-    assert _nest.is_plain_leaf(x) and _nest.is_plain_leaf(None)
-    assert not _nest.is_plain_leaf([x]) and not _nest.is_plain_leaf((x,))
-    assert not _nest.is_plain_leaf({"a": x})
-    per_replica = pd.PerReplica([x, x])
-    _nest.flatten(per_replica)
-    assert not _nest.is_plain_leaf(per_replica)  # distributed: never plain
-
-    class Fresh:
-        pass
-
-    assert not _nest.is_plain_leaf(Fresh())  # not classified yet: the general path decides
-
-
-def test_plain_args_then_distributed_args_are_split() -> None:
-    strategy = pd.MirroredStrategy(2)
-    x = np.arange(2, dtype=np.float32)
-    shared = strategy.run(lambda a: a * 1, args=(x,))
-    assert [v.tolist() for v in strategy.experimental_local_results(shared)] == [[0, 1], [0, 1]]
-    per_replica = strategy.experimental_distribute_values_from_function(
-        lambda ctx: np.float32(ctx.replica_id_in_sync_group + 5)
-    )
-    out = strategy.run(lambda a, b: a + b, args=(x, per_replica))
-    assert [v.tolist() for v in strategy.experimental_local_results(out)] == [[5, 6], [6, 7]]
-    out = strategy.run(lambda b: b * 2, args=(per_replica,))
-    assert [float(v) for v in strategy.experimental_local_results(out)] == [10.0, 12.0]
-
-
 class Pairs(Mapping[str, Any]):
     """A Mapping optree does not know (a leaf to optree, a mapping to regroup)."""
 
@@ -167,6 +137,65 @@ class Pairs(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def test_plain_leaves_are_known_by_type_once_classified() -> None:
+    x = np.ones(2, np.float32)
+    _nest.flatten([x, None])  # classifies ndarray and NoneType
+    assert _nest.is_plain_leaf(x) and _nest.is_plain_leaf(None)
+    assert not _nest.is_plain_leaf([x]) and not _nest.is_plain_leaf((x,))
+    assert not _nest.is_plain_leaf({"a": x})
+    per_replica = pd.PerReplica([x, x])
+    _nest.flatten(per_replica)
+    assert not _nest.is_plain_leaf(per_replica)  # distributed: never plain
+
+    class Fresh:
+        pass
+
+    assert not _nest.is_plain_leaf(Fresh())  # not classified yet: the general path decides
+    _nest.flatten(Pairs({"k": x}))
+    assert not _nest.is_plain_leaf(Pairs({"k": x}))  # a leaf to optree, rebuilt by regroup
+
+
+class Box:
+    def __init__(self, v: Any) -> None:
+        self.v = v
+
+
+def test_a_tree_system_registered_later_makes_a_plain_type_a_node_again() -> None:
+    strategy = pd.MirroredStrategy(2)
+    box = Box(np.float32(1))
+    _nest.flatten(box)
+    assert _nest.is_plain_leaf(box)  # an unknown class: a leaf
+    _nest.register_tree_system(
+        "test-box",
+        lambda x: ([x.v], None) if isinstance(x, Box) else None,
+        lambda aux, children: Box(children[0]),
+    )
+    try:
+        assert not _nest.is_plain_leaf(box)  # asked again, not the cached answer
+        per_replica = strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.float32(ctx.replica_id_in_sync_group)
+        )
+        out = strategy.run(lambda b: b.v * 10, args=(Box(per_replica),))
+        assert [float(v) for v in strategy.experimental_local_results(out)] == [0.0, 10.0]
+        assert not _nest.is_plain_leaf(box)
+    finally:
+        _nest._unregister_tree_system("test-box")
+
+
+def test_plain_args_then_distributed_args_are_split() -> None:
+    strategy = pd.MirroredStrategy(2)
+    x = np.arange(2, dtype=np.float32)
+    shared = strategy.run(lambda a: a * 1, args=(x,))
+    assert [v.tolist() for v in strategy.experimental_local_results(shared)] == [[0, 1], [0, 1]]
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group + 5)
+    )
+    out = strategy.run(lambda a, b: a + b, args=(x, per_replica))
+    assert [v.tolist() for v in strategy.experimental_local_results(out)] == [[5, 6], [6, 7]]
+    out = strategy.run(lambda b: b * 2, args=(per_replica,))
+    assert [float(v) for v in strategy.experimental_local_results(out)] == [10.0, 12.0]
 
 
 def test_one_replicas_results_regroup_as_before() -> None:

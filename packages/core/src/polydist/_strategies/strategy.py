@@ -509,7 +509,7 @@ class Strategy:
         """
         _context.require_cross_replica_or_default_context(self)
         reduce_op = as_reduce_op(reduce_op)
-        if _nest.is_nested(value):
+        if not _nest.is_plain_leaf(value) and _nest.is_nested(value):
             return _nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
         if axis is None:
             if reduce_op is ReduceOp.MEAN:  # NaN means of empty batches: PartialBatchWarning
