@@ -229,3 +229,23 @@ def test_run_calls_an_overridden_call_for_each_replica() -> None:
     assert [float(v) for v in out.values] == [2.0, 2.0]
     with pytest.raises(TypeError, match="must be a callable"):
         strategy.run(42)  # type: ignore[arg-type]
+
+
+def test_the_timeout_variable_is_read_at_each_run_however_the_environment_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from polydist.backend import timeout_seconds_from_env
+
+    monkeypatch.setenv("POLYDIST_TIMEOUT_SECONDS", "4.5")
+    assert timeout_seconds_from_env() == 4.5
+    monkeypatch.setitem(os.environb, b"POLYDIST_TIMEOUT_SECONDS", b"6")  # os.environ too
+    assert timeout_seconds_from_env() == 6.0
+    monkeypatch.delenv("POLYDIST_TIMEOUT_SECONDS")
+    assert timeout_seconds_from_env() == 300.0
+    # os.environ replaced by a plain dict (as some test helpers do): still read.
+    monkeypatch.setattr(os, "environ", {"POLYDIST_TIMEOUT_SECONDS": "-1"})
+    strategy = pd.MirroredStrategy(1, backend=SimBackend(replica_mode="thread"))
+    with pytest.raises(ValueError, match="must be a positive number"):
+        strategy.run(lambda: 1.0)
