@@ -440,7 +440,9 @@ def _default_device_is(device: torch.device) -> bool:
     without one."""
     if (
         _GLOBAL_DEVICE_CONTEXT is not None
-        and getattr(_GLOBAL_DEVICE_CONTEXT, "device_context", None) is None
+        # This thread's attributes: getattr with a default raises and catches an
+        # AttributeError where set_default_device was never called (~1 µs per scope).
+        and _GLOBAL_DEVICE_CONTEXT.__dict__.get("device_context") is None
         and torch._C._len_torch_function_stack() == 0
     ):
         return device == _CPU
