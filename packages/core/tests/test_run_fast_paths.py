@@ -249,3 +249,20 @@ def test_the_timeout_variable_is_read_at_each_run_however_the_environment_change
     strategy = pd.MirroredStrategy(1, backend=SimBackend(replica_mode="thread"))
     with pytest.raises(ValueError, match="must be a positive number"):
         strategy.run(lambda: 1.0)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_runner_not_asked_for_lazy_ids_places_them_before_the_run(replicas: int) -> None:
+    # The default: a placement inside the replica could be made under an engine's
+    # transformation (a jax.jit there would leak a tracer), so ids are placed up front.
+    from polydist.backend import EagerReplicaRunner
+
+    backend = CountingSim("thread")
+    backend.replica_runner = EagerReplicaRunner("thread")
+    assert not backend.replica_runner.lazy_replica_id
+    for strategy in _strategies(backend, replicas):
+        backend.id_placements = 0
+        strategy.run(lambda: np.float32(1.0))
+        assert backend.id_placements == replicas
+        ids = strategy.run(lambda: _ctx().replica_id_in_sync_group)
+        assert [int(v) for v in strategy.experimental_local_results(ids)] == list(range(replicas))

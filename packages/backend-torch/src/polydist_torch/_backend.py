@@ -107,8 +107,9 @@ class TorchBackend:
         # Threads, not greenlets: torch's grad mode, autograd engine state and
         # device guards are per thread, and a greenlet switch would mix them up.
         #: How core runs the replicas (``polydist.backend.SupportsReplicaRunner``).
+        # Replica ids placed when asked for (a torch placement is eager, wherever made).
         self.replica_runner: EagerReplicaRunner = TorchReplicaRunner(
-            "thread", timeout_seconds, wrap_channel=TorchReplicaChannel
+            "thread", timeout_seconds, wrap_channel=TorchReplicaChannel, lazy_replica_id=True
         )
 
     def __repr__(self) -> str:

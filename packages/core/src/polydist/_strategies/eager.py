@@ -243,6 +243,7 @@ class _Collectives:
         self,
         group: ReplicaGroup,
         wrap_channel: Callable[[ReplicaChannel, int], ReplicaChannel] | None = None,
+        lazy_replica_id: bool = False,
     ) -> None:
         if group.strategy is None:
             raise ValueError(
@@ -256,6 +257,7 @@ class _Collectives:
         self.devices: tuple[str, ...] = group.devices
         # The strategy's CommunicationOptions (multi-worker strategies only).
         self.options: CommunicationOptions | None = group.communication_options
+        self.lazy_replica_id = lazy_replica_id
 
     def sync(self, request: _SyncRequest) -> Any:
         """A lone replica's sync point, performed at once: nobody else to wait for."""
@@ -275,12 +277,15 @@ class _Collectives:
         channel: ReplicaChannel = _EagerChannel(syncs)
         if self.wrap_channel is not None:
             channel = self.wrap_channel(channel, self.offset + index)
-        # The replica id is placed on the device when the replica first asks for it:
-        # most steps never do, and a placement is a host-to-device copy.
-        replica_id = _replica_context_module().LazyReplicaId(self.backend, index, device)
-        ctx = _replica_context_module().ReplicaContext(
-            self.strategy, replica_id, channel=channel, replica_index=index
-        )
+        module = _replica_context_module()
+        replica_id: Any
+        if self.lazy_replica_id:
+            # Placed when the replica first asks for it: most steps never do, and a
+            # placement is a host-to-device copy.
+            replica_id = module.LazyReplicaId(self.backend, index, device)
+        else:
+            replica_id = self.backend.place(np.asarray(index, dtype=np.int32), device)
+        ctx = module.ReplicaContext(self.strategy, replica_id, channel=channel, replica_index=index)
         with ctx, self.backend.device_scope(device):
             return fn(*args, **kwargs)
 
@@ -381,8 +386,9 @@ class _Run(_Collectives):
         mode: Mode,
         timeout: float,
         wrap_channel: Callable[[ReplicaChannel, int], ReplicaChannel] | None = None,
+        lazy_replica_id: bool = False,
     ) -> None:
-        super().__init__(group, wrap_channel)
+        super().__init__(group, wrap_channel, lazy_replica_id)
         self.fn = fn
         self.args = per_replica_args
         self.timeout = timeout
@@ -478,6 +484,11 @@ class EagerReplicaRunner:
             (``group.replica_offset`` + its index here); what it returns is the
             replica's channel. A backend uses it to wrap the collectives, e.g. to
             make them differentiable (torch's autograd).
+        lazy_replica_id: place each replica's ``replica_id_in_sync_group`` on its
+            device only when the replica first asks for it (once per run) instead of
+            before every run. Only for engines whose placement inside the replica
+            function gives a value that outlives the call: not under a tracing
+            transformation (a ``jax.jit`` there would leak a tracer).
     """
 
     def __init__(
@@ -486,12 +497,19 @@ class EagerReplicaRunner:
         timeout: float | None = None,
         *,
         wrap_channel: Callable[[ReplicaChannel, int], ReplicaChannel] | None = None,
+        lazy_replica_id: bool = False,
     ) -> None:
         if mode not in ("greenlet", "thread"):
             raise ValueError(f"mode must be 'greenlet' or 'thread', got {mode!r}.")
         self._mode: Mode = mode
         self._timeout = timeout
         self._wrap_channel = wrap_channel
+        self._lazy_replica_id = lazy_replica_id
+
+    @property
+    def lazy_replica_id(self) -> bool:
+        """Whether replica ids are placed only when asked for (see the class doc)."""
+        return self._lazy_replica_id
 
     @property
     def mode(self) -> Mode:
@@ -516,9 +534,18 @@ class EagerReplicaRunner:
         if self._mode == "thread" and len(per_replica_args) == 1:  # runs_inline
             # A lone replica on the calling thread, no scheduler: nobody to wait for.
             args, kwargs = per_replica_args[0]
-            collectives = _Collectives(group, self._wrap_channel)
+            collectives = _Collectives(group, self._wrap_channel, self._lazy_replica_id)
             return [collectives.run_replica(0, collectives, fn, args, kwargs)]
-        return _Run(group, fn, per_replica_args, self._mode, timeout, self._wrap_channel).run()
+        run = _Run(
+            group,
+            fn,
+            per_replica_args,
+            self._mode,
+            timeout,
+            self._wrap_channel,
+            self._lazy_replica_id,
+        )
+        return run.run()
 
 
 #: The runner of an eager backend that configures none (`SupportsReplicaRunner`).
