@@ -2,9 +2,10 @@
 
 TF's rule is that an all_reduce leaves its input unmodified, not that it makes a
 copy: one value onto its own device is its own sum, so it comes back as it is.
-The exception is a variable's storage, which later writes (``assign``, torch
-optimizers, BatchNorm) update in place: a result aliasing it would change behind
-the caller's back, so it is copied (TF's result is a value read at the call).
+The exception is a variable's storage, or another tensor on its memory, which
+later writes (``assign``, torch optimizers, BatchNorm) update in place: a result
+aliasing it would change behind the caller's back, so it is copied (TF's result is a
+value read at the call).
 """
 
 from __future__ import annotations
@@ -164,3 +165,55 @@ def test_several_replicas_still_get_distinct_new_tensors() -> None:
     a, b = out.values
     assert a is not x and b is not x and a is not b
     assert a.tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda t: t.detach(),
+        lambda t: t.detach()[1:],
+        lambda t: t.detach().view(-1),
+        lambda t: t.data,
+    ],
+    ids=["detach", "slice", "view", "data"],
+)
+def test_a_tensor_on_a_variables_memory_comes_back_as_a_copy(
+    view: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    # w.detach() is another tensor object on the parameter's memory: the optimizer's
+    # in-place step would change a result that were that tensor (TF's result is a
+    # value read at the call, as with 2 replicas, which always copy).
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend())
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.Linear(2, 2))
+        opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    weight = model.module.weight
+
+    def fn() -> Any:
+        ctx = pd.get_replica_context()
+        seen = view(weight)
+        reduced = ctx.all_reduce("SUM", seen)
+        before = reduced.clone()
+        fresh = weight.detach() * 1.0  # a new tensor: its own sum, handed back as it is
+        assert ctx.all_reduce("SUM", fresh) is fresh
+        model(torch.ones(3, 2)).sum().backward()
+        opt.step()  # writes into the parameter's memory in place
+        assert not torch.equal(view(weight), before)  # the view did change
+        return reduced, before
+
+    reduced, before = strategy.run(fn)
+    assert torch.equal(reduced, before)
+
+
+def test_memory_a_variable_left_is_no_longer_its_storage() -> None:
+    from polydist_torch._storage import is_variable_storage, mark_variable_storage
+
+    marked = torch.zeros(4)
+    mark_variable_storage(marked)
+    old_view = marked.detach()
+    assert is_variable_storage(old_view) and is_variable_storage(marked[2:])
+    assert not is_variable_storage(torch.zeros(4)) and not is_variable_storage(torch.zeros(0))
+    with torch.no_grad():
+        marked.set_(torch.ones(8).untyped_storage())  # the variable's tensor moves elsewhere
+    assert is_variable_storage(marked)  # the marked object itself still counts
+    assert not is_variable_storage(old_view)  # nothing writes into the old memory now

@@ -107,8 +107,9 @@ class TorchBackend:
         # Threads, not greenlets: torch's grad mode, autograd engine state and
         # device guards are per thread, and a greenlet switch would mix them up.
         #: How core runs the replicas (``polydist.backend.SupportsReplicaRunner``).
+        # Replica ids placed when asked for (a torch placement is eager, wherever made).
         self.replica_runner: EagerReplicaRunner = TorchReplicaRunner(
-            "thread", timeout_seconds, wrap_channel=TorchReplicaChannel
+            "thread", timeout_seconds, wrap_channel=TorchReplicaChannel, lazy_replica_id=True
         )
 
     def __repr__(self) -> str:
@@ -440,7 +441,9 @@ def _default_device_is(device: torch.device) -> bool:
     without one."""
     if (
         _GLOBAL_DEVICE_CONTEXT is not None
-        and getattr(_GLOBAL_DEVICE_CONTEXT, "device_context", None) is None
+        # This thread's attributes: getattr with a default raises and catches an
+        # AttributeError where set_default_device was never called (~1 µs per scope).
+        and _GLOBAL_DEVICE_CONTEXT.__dict__.get("device_context") is None
         and torch._C._len_torch_function_stack() == 0
     ):
         return device == _CPU

@@ -16,8 +16,9 @@ per destination: replicas may update their copy in place, and each copy gets its
 own autograd history. One value onto its own device (a one-replica ``all_reduce`` or
 ``all_gather``) is its own sum: it comes back as it is, as torch's ``x.to(x.device)``
 returns ``x``. TF's rule is that the input is not modified, and nothing in polydist
-writes into it later, with one exception that is copied: a variable's storage
-(``_storage.py``), which assignments, optimizers and BatchNorm update in place.
+writes into it later, with one exception that is copied: a variable's storage, or
+another tensor on its memory (``_storage.py``), which assignments, optimizers and
+BatchNorm update in place.
 """
 
 from __future__ import annotations

@@ -648,6 +648,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "DistributedOptimizer.all_reduce_gradients sums gradients across replicas: "
                 "call it inside strategy.run, on every replica."
             )
+        self._all_reduce_gradients(r)
+
+    def _all_reduce_gradients(self, r: int) -> None:
         if self._reduced.get(r):
             return
         if self._alone:
@@ -728,7 +731,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
-        self.all_reduce_gradients()
+        self._all_reduce_gradients(r)
         replica = self._replicas[r]
         if r:
             # Hyperparameters (lr, ...) come from the wrapped optimizer's groups; a change

@@ -7,13 +7,16 @@ BatchNorm, and so on. A collective may hand a tensor back without a copy only if
 nothing will later write into it behind the caller's back, so it asks here: every
 tensor the backend stores for a variable (``TorchBackend.store_variable``), and
 every tensor the torch package makes a variable's storage (``swap_storage`` in
-``distribute_module`` and ``parameters``), is marked. Marks are weak (a tensor
-that dies leaves the registry) and never removed otherwise: a tensor that was once
-storage only costs a copy.
+``distribute_module`` and ``parameters``), is marked, and so is its memory: another
+tensor on that memory (``w.detach()``, ``w[0]``, ``w.view(-1)``) sees the same
+writes, so it counts as storage too. Marks are weak (a tensor that dies leaves the
+registry) and never removed otherwise: a tensor that was once storage only costs a
+copy.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -22,14 +25,44 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["is_variable_storage", "mark_variable_storage"]
 
 _STORAGE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The address of a marked tensor's memory -> that tensor (weakly), for tensors that share
+# the memory without being the marked object.
+_BY_MEMORY: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _memory(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s memory (its storage's, whatever its offset); 0 when it
+    has none to share (empty, or not a strided CPU/CUDA tensor)."""
+    if tensor.layout is not torch.strided or tensor.device.type not in ("cpu", "cuda"):
+        return 0
+    return int(tensor.untyped_storage().data_ptr())
 
 
 def mark_variable_storage(tensor: Any) -> None:
     """Records ``tensor`` as (part of) a variable's storage."""
-    if isinstance(tensor, torch.Tensor):
-        _STORAGE[tensor] = True
+    if not isinstance(tensor, torch.Tensor):
+        return
+    _STORAGE[tensor] = True
+    address = _memory(tensor)
+    if address:
+        previous = _BY_MEMORY.get(address)
+        if previous is None or previous() is not tensor:
+
+            def forget(ref: weakref.ref[torch.Tensor], address: int = address) -> None:
+                if _BY_MEMORY.get(address) is ref:  # not a newer tensor at a reused address
+                    del _BY_MEMORY[address]
+
+            _BY_MEMORY[address] = weakref.ref(tensor, forget)
 
 
 def is_variable_storage(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is, or once was, a variable's storage."""
-    return tensor in _STORAGE
+    """Whether ``tensor`` is, or once was, a variable's storage, or shares its memory."""
+    if tensor in _STORAGE:
+        return True
+    address = _memory(tensor)
+    if not address:
+        return False
+    ref = _BY_MEMORY.get(address)
+    owner = ref() if ref is not None else None
+    # The owner still lives on that memory (not a stale address the allocator reused).
+    return owner is not None and _memory(owner) == address

@@ -99,8 +99,11 @@ class SimBackend:
             uneven_gather=True,
             measured_timing=False,  # traces carry the cost model's predictions instead
         )
-        #: How core runs the replicas (``polydist.backend.SupportsReplicaRunner``).
-        self.replica_runner = EagerReplicaRunner(replica_mode, timeout_seconds)
+        #: How core runs the replicas (``polydist.backend.SupportsReplicaRunner``); replica
+        #: ids are NumPy values, safe to place inside a replica when it asks for its id.
+        self.replica_runner = EagerReplicaRunner(
+            replica_mode, timeout_seconds, lazy_replica_id=True
+        )
         if num_gpus is None:
             num_gpus = int(os.environ.get(GPUS_ENV, "0"))
         if not 0 <= num_gpus <= MAX_DEVICES:

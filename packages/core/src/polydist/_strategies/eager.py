@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import numpy as np
 
@@ -51,7 +51,6 @@ from polydist._strategies.replica_slots import (
     _WATCHDOG,
     TIMEOUT_ENV,
     _GreenletSlot,
-    _InlineSlot,
     _Slot,
     _ThreadSlot,
     busy_workers,
@@ -91,7 +90,7 @@ def timeout_seconds_from_env(default: float = DEFAULT_TIMEOUT_SECONDS) -> float:
     The one parser of the variable, for every backend. Raises ``ValueError``
     naming the variable unless it is a finite number of seconds above 0.
     """
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    text = _timeout_text().strip()
     if not text:
         return default
     cached = _PARSED.get(text)  # read at every run: parse each text once
@@ -114,6 +113,20 @@ def timeout_seconds_from_env(default: float = DEFAULT_TIMEOUT_SECONDS) -> float:
 
 
 _PARSED: dict[str, float] = {}
+
+_ENVIRON = os.environ
+# On POSIX os.environ keeps the bytes it was given in ``_data``: one dict lookup per
+# run, where ``os.environ.get`` of an unset name raises and catches a KeyError.
+_ENVIRON_DATA: Any = getattr(_ENVIRON, "_data", None) if os.name == "posix" else None
+_TIMEOUT_KEY = os.fsencode(TIMEOUT_ENV)
+
+
+def _timeout_text() -> str:
+    data = _ENVIRON_DATA
+    if data is None or os.environ is not _ENVIRON or type(data) is not dict:
+        return os.environ.get(TIMEOUT_ENV, "")
+    raw = data.get(_TIMEOUT_KEY)
+    return "" if raw is None else os.fsdecode(raw)
 
 
 def default_timeout() -> float:
@@ -163,7 +176,7 @@ def _leaves_text(leaves: tuple[tuple[Any, tuple[Any, ...]], ...]) -> str:
 class _EagerChannel:
     __slots__ = ("_slot",)
 
-    def __init__(self, slot: _Slot) -> None:
+    def __init__(self, slot: _Syncs) -> None:
         self._slot = slot
 
     def all_reduce(self, reduce_op: ReduceOp, values: Sequence[Any]) -> list[Any]:
@@ -206,26 +219,32 @@ def _leaf_text(leaf: tuple[Any, tuple[Any, ...]]) -> str:
 _REPLICA_CONTEXT: list[Any] = []
 
 
-def _replica_context_class() -> Any:
+def _replica_context_module() -> Any:
     # Imported once, lazily (replica_context's users import this module).
     if not _REPLICA_CONTEXT:
-        from polydist._strategies.replica_context import ReplicaContext
+        from polydist._strategies import replica_context
 
-        _REPLICA_CONTEXT.append(ReplicaContext)
+        _REPLICA_CONTEXT.append(replica_context)
     return _REPLICA_CONTEXT[0]
 
 
-class _Run:
-    """One run of the replicas: the scheduler."""
+class _Syncs(Protocol):
+    """Where a replica's channel sends its sync points: its slot, or, for a lone
+    replica, the run's `_Collectives` (performed at once)."""
+
+    def sync(self, request: _SyncRequest) -> Any: ...
+
+
+class _Collectives:
+    """The replicas of one run as the collectives see them: where they run, and how a set
+    of sync requests (one per replica) is checked and performed. `_Run` schedules
+    several replicas; a lone thread-mode replica needs only this (`EagerReplicaRunner.run`)."""
 
     def __init__(
         self,
         group: ReplicaGroup,
-        fn: Callable[..., Any],
-        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-        mode: Mode,
-        timeout: float,
         wrap_channel: Callable[[ReplicaChannel, int], ReplicaChannel] | None = None,
+        lazy_replica_id: bool = False,
     ) -> None:
         if group.strategy is None:
             raise ValueError(
@@ -237,65 +256,39 @@ class _Run:
         self.offset = group.replica_offset
         self.backend: Backend = group.backend
         self.devices: tuple[str, ...] = group.devices
-        self.fn = fn
-        self.args = per_replica_args
-        self.timeout = timeout
         # The strategy's CommunicationOptions (multi-worker strategies only).
         self.options: CommunicationOptions | None = group.communication_options
-        self.running: _Slot | None = None  # greenlet mode: the replica running now
-        self.switches = 0  # greenlet mode: replica resumptions so far
-        self.thread_id = threading.get_ident()
-        slot_class: type[_Slot] = _GreenletSlot if mode == "greenlet" else _ThreadSlot
-        if mode == "thread" and len(per_replica_args) == 1:  # EagerReplicaRunner.runs_inline
-            slot_class = _InlineSlot
-        self.slots: list[_Slot] = [slot_class(self, r) for r in range(len(per_replica_args))]
-        self.watched = mode == "greenlet"
+        self.lazy_replica_id = lazy_replica_id
 
-    def call_replica(self, slot: _Slot) -> Any:
-        index = slot.index
+    def sync(self, request: _SyncRequest) -> Any:
+        """A lone replica's sync point, performed at once: nobody else to wait for."""
+        return self._resolve([request])[0]
+
+    def run_replica(
+        self,
+        index: int,
+        syncs: _Syncs,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``fn(*args, **kwargs)`` as replica ``index``: in its replica context (its sync
+        points go to ``syncs``) and device scope."""
         device = self.devices[index]
-        replica_id = self.backend.place(np.asarray(index, dtype=np.int32), device)
-        channel: ReplicaChannel = _EagerChannel(slot)
+        channel: ReplicaChannel = _EagerChannel(syncs)
         if self.wrap_channel is not None:
             channel = self.wrap_channel(channel, self.offset + index)
-        ctx = _replica_context_class()(
-            self.strategy, replica_id, channel=channel, replica_index=index
-        )
-        args, kwargs = self.args[index]
+        module = _replica_context_module()
+        replica_id: Any
+        if self.lazy_replica_id:
+            # Placed when the replica first asks for it: most steps never do, and a
+            # placement is a host-to-device copy.
+            replica_id = module.LazyReplicaId(self.backend, index, device)
+        else:
+            replica_id = self.backend.place(np.asarray(index, dtype=np.int32), device)
+        ctx = module.ReplicaContext(self.strategy, replica_id, channel=channel, replica_index=index)
         with ctx, self.backend.device_scope(device):
-            return self.fn(*args, **kwargs)
-
-    def run(self) -> list[Any]:
-        replies: list[Any] = [None] * len(self.slots)
-        if self.watched:
-            _WATCHDOG.watch(self)
-        try:
-            while True:
-                for slot in self.slots:
-                    slot.advance(replies[slot.index])
-                    if slot.status == _FAILED:
-                        assert slot.error is not None
-                        raise slot.error
-                paused = [s for s in self.slots if s.status == _PAUSED]
-                if not paused:
-                    return [s.result for s in self.slots]
-                if len(paused) < len(self.slots):
-                    raise self._mismatch(
-                        {
-                            s.index: s.request.describe() if s.request else "returned from fn"
-                            for s in self.slots
-                        }
-                    )
-                replies = self._resolve([s.request for s in paused if s.request is not None])
-        finally:
-            if self.watched:
-                _WATCHDOG.unwatch(self)
-            for slot in self.slots:
-                slot.stop()
-                slot.result = None
-            # Slots and run refer to each other: without this, the run's arguments and
-            # results would live until the garbage collector's next pass.
-            self.slots = []
+            return fn(*args, **kwargs)
 
     def _mismatch(self, states: dict[int, str]) -> CollectiveMismatchError:
         lines = [
@@ -383,6 +376,67 @@ class _Run:
         return [select_replica(r, result) for r in range(len(requests))]
 
 
+class _Run(_Collectives):
+    """One run of several replicas: the scheduler."""
+
+    def __init__(
+        self,
+        group: ReplicaGroup,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+        mode: Mode,
+        timeout: float,
+        wrap_channel: Callable[[ReplicaChannel, int], ReplicaChannel] | None = None,
+        lazy_replica_id: bool = False,
+    ) -> None:
+        super().__init__(group, wrap_channel, lazy_replica_id)
+        self.fn = fn
+        self.args = per_replica_args
+        self.timeout = timeout
+        self.running: _Slot | None = None  # greenlet mode: the replica running now
+        self.switches = 0  # greenlet mode: replica resumptions so far
+        self.thread_id = threading.get_ident()
+        slot_class: type[_Slot] = _GreenletSlot if mode == "greenlet" else _ThreadSlot
+        self.slots: list[_Slot] = [slot_class(self, r) for r in range(len(per_replica_args))]
+        self.watched = mode == "greenlet"
+
+    def call_replica(self, slot: _Slot) -> Any:
+        args, kwargs = self.args[slot.index]
+        return self.run_replica(slot.index, slot, self.fn, args, kwargs)
+
+    def run(self) -> list[Any]:
+        replies: list[Any] = [None] * len(self.slots)
+        if self.watched:
+            _WATCHDOG.watch(self)
+        try:
+            while True:
+                for slot in self.slots:
+                    slot.advance(replies[slot.index])
+                    if slot.status == _FAILED:
+                        assert slot.error is not None
+                        raise slot.error
+                paused = [s for s in self.slots if s.status == _PAUSED]
+                if not paused:
+                    return [s.result for s in self.slots]
+                if len(paused) < len(self.slots):
+                    raise self._mismatch(
+                        {
+                            s.index: s.request.describe() if s.request else "returned from fn"
+                            for s in self.slots
+                        }
+                    )
+                replies = self._resolve([s.request for s in paused if s.request is not None])
+        finally:
+            if self.watched:
+                _WATCHDOG.unwatch(self)
+            for slot in self.slots:
+                slot.stop()
+                slot.result = None
+            # Slots and run refer to each other: without this, the run's arguments and
+            # results would live until the garbage collector's next pass.
+            self.slots = []
+
+
 def _record(
     request: _SyncRequest,
     example: Any,
@@ -431,6 +485,11 @@ class EagerReplicaRunner:
             (``group.replica_offset`` + its index here); what it returns is the
             replica's channel. A backend uses it to wrap the collectives, e.g. to
             make them differentiable (torch's autograd).
+        lazy_replica_id: place each replica's ``replica_id_in_sync_group`` on its
+            device only when the replica first asks for it (once per run) instead of
+            before every run. Only for engines whose placement inside the replica
+            function gives a value that outlives the call: not under a tracing
+            transformation (a ``jax.jit`` there would leak a tracer).
     """
 
     def __init__(
@@ -439,12 +498,19 @@ class EagerReplicaRunner:
         timeout: float | None = None,
         *,
         wrap_channel: Callable[[ReplicaChannel, int], ReplicaChannel] | None = None,
+        lazy_replica_id: bool = False,
     ) -> None:
         if mode not in ("greenlet", "thread"):
             raise ValueError(f"mode must be 'greenlet' or 'thread', got {mode!r}.")
         self._mode: Mode = mode
         self._timeout = timeout
         self._wrap_channel = wrap_channel
+        self._lazy_replica_id = lazy_replica_id
+
+    @property
+    def lazy_replica_id(self) -> bool:
+        """Whether replica ids are placed only when asked for (see the class doc)."""
+        return self._lazy_replica_id
 
     @property
     def mode(self) -> Mode:
@@ -464,8 +530,23 @@ class EagerReplicaRunner:
         """Calls ``fn(*args, **kwargs)`` once per replica of ``group`` (a run's group:
         `polydist.backend.replica_group`), each inside its ``ReplicaContext`` and device
         scope, and returns each replica's result in replica order."""
+        # Read at every run, inline too: a bad $POLYDIST_TIMEOUT_SECONDS fails at once.
         timeout = self._timeout if self._timeout is not None else default_timeout()
-        return _Run(group, fn, per_replica_args, self._mode, timeout, self._wrap_channel).run()
+        if self._mode == "thread" and len(per_replica_args) == 1:  # runs_inline
+            # A lone replica on the calling thread, no scheduler: nobody to wait for.
+            args, kwargs = per_replica_args[0]
+            collectives = _Collectives(group, self._wrap_channel, self._lazy_replica_id)
+            return [collectives.run_replica(0, collectives, fn, args, kwargs)]
+        run = _Run(
+            group,
+            fn,
+            per_replica_args,
+            self._mode,
+            timeout,
+            self._wrap_channel,
+            self._lazy_replica_id,
+        )
+        return run.run()
 
 
 #: The runner of an eager backend that configures none (`SupportsReplicaRunner`).

@@ -19,7 +19,9 @@ from polydist._base.devices import HOST_DEVICE, canonicalize
 from polydist._base.reduce_op import ReduceOp
 from polydist._collectives import cross_device_ops as _cross_device_ops
 from polydist._strategies import context as _context
+from polydist._strategies.eager import EagerReplicaRunner
 from polydist._strategies.replica_context import (
+    LazyReplicaId,
     ReplicaContext,
     _DefaultReplicaContext,
 )
@@ -86,7 +88,12 @@ class OneDeviceExtended(StrategyExtended):
     ) -> Any:
         strategy = self._container_strategy()
         device = self._devices[0]
-        replica_id = self._backend.place(np.asarray(0, dtype=np.int32), device)
+        runner = getattr(self._backend, "replica_runner", None)
+        replica_id: Any
+        if isinstance(runner, EagerReplicaRunner) and runner.lazy_replica_id:
+            replica_id = LazyReplicaId(self._backend, 0, device)  # placed if asked for
+        else:
+            replica_id = self._backend.place(np.asarray(0, dtype=np.int32), device)
         with (
             ReplicaContext(strategy, replica_id, replica_index=0),
             self._backend.device_scope(device),

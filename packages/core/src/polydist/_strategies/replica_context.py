@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+
 from polydist._base.arrays import check_summable, convert_to_array, is_array, mean_from_sum
 from polydist._base.communication import call_options, check_call_options
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
@@ -16,7 +18,24 @@ from polydist.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from polydist._strategies.strategy import Strategy
 
-__all__ = ["ReplicaContext"]
+__all__ = ["LazyReplicaId", "ReplicaContext"]
+
+
+class LazyReplicaId:
+    """A replica id placed on its device only when the replica asks for it
+    (``ReplicaContext.replica_id_in_sync_group``): most steps never do, and each
+    placement is a host-to-device copy. Placed once per run, never shared between runs
+    (a torch tensor can be changed in place: ``rid += 1``)."""
+
+    __slots__ = ("_backend", "_device", "_index")
+
+    def __init__(self, backend: Any, index: int, device: str) -> None:
+        self._backend = backend
+        self._index = index
+        self._device = device
+
+    def place(self) -> Any:
+        return self._backend.place(np.asarray(self._index, dtype=np.int32), self._device)
 
 
 class ReplicaContext:
@@ -69,7 +88,10 @@ class ReplicaContext:
         Like TF, it is a (0-d) array, not a Python int: in a compiled (SPMD)
         backend it is a traced value.
         """
-        return self._replica_id_in_sync_group
+        replica_id = self._replica_id_in_sync_group
+        if type(replica_id) is LazyReplicaId:
+            replica_id = self._replica_id_in_sync_group = replica_id.place()
+        return replica_id
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -227,6 +249,4 @@ class _DefaultReplicaContext(ReplicaContext):
 
     @property
     def replica_id_in_sync_group(self) -> Any:
-        import numpy as np
-
         return np.asarray(0, dtype=np.int32)

@@ -1,6 +1,7 @@
-"""Where an eager replica runs: its own stack (a greenlet, or a pooled daemon thread,
-or the calling thread for a lone replica), the watchdog that reports a replica stuck
-in a wait outside polydist, and the thread pool. ``eager.py``'s runner drives them."""
+"""Where an eager replica runs: its own stack (a greenlet, or a pooled daemon thread; a
+lone thread-mode replica needs neither and runs on the calling thread), the watchdog that
+reports a replica stuck in a wait outside polydist, and the thread pool. ``eager.py``'s
+runner drives them."""
 
 from __future__ import annotations
 
@@ -181,23 +182,6 @@ class _ThreadSlot(_Slot):
                 "replicas would wait forever. Check for a blocking call or an endless loop in "
                 f"the replica function, or raise ${TIMEOUT_ENV}."
             )
-
-
-class _InlineSlot(_Slot):
-    """The only replica of a thread-mode run: it runs on the calling thread, and each
-    collective is performed as soon as it reaches it (there is no other replica to wait
-    for). Two thread handoffs per collective cost more than a small collective itself."""
-
-    def sync(self, request: _SyncRequest) -> Any:
-        if self.abort:
-            raise _Abort()
-        return self.run._resolve([request])[0]
-
-    def _pause(self) -> None:
-        raise AssertionError("an inline replica never pauses")
-
-    def _resume(self) -> None:
-        self._body()
 
 
 # -- the watchdog (greenlet mode) ----------------------------------------------------------

@@ -475,12 +475,24 @@ class Strategy:
         # cost a few microseconds): the same checks, the same mode.
         if _context.has_strategy():
             _context.require_cross_replica_or_default_context(self)
-            return self._extended.call_for_each_replica(fn, args, kwargs)
+            return self._run_replicas(fn, args, kwargs)
         token = _context.push_cross_replica_mode(self)
         try:
-            return self._extended.call_for_each_replica(fn, args, kwargs)
+            return self._run_replicas(fn, args, kwargs)
         finally:
             _context.leave_mode(token)
+
+    def _run_replicas(
+        self, fn: Callable[..., Any], args: tuple[Any, ...] | list[Any], kwargs: Any
+    ) -> Any:
+        """``extended.call_for_each_replica`` in the context ``run`` entered (whose check
+        that call repeats unless a subclass overrides it)."""
+        extended = self._extended
+        if type(extended).call_for_each_replica is not StrategyExtended.call_for_each_replica:
+            return extended.call_for_each_replica(fn, args, kwargs)
+        _check_callable(fn, "fn", "strategy.run(fn, args=(...))")
+        args = args if type(args) is tuple else tuple(args)
+        return extended._call_for_each_replica(fn, args, {} if kwargs is None else dict(kwargs))
 
     def experimental_run_v2(
         self,
@@ -506,7 +518,7 @@ class Strategy:
         """
         _context.require_cross_replica_or_default_context(self)
         reduce_op = as_reduce_op(reduce_op)
-        if _nest.is_nested(value):
+        if not _nest.is_plain_leaf(value) and _nest.is_nested(value):
             return _nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
         if axis is None:
             if reduce_op is ReduceOp.MEAN:  # NaN means of empty batches: PartialBatchWarning
@@ -659,6 +671,12 @@ def _per_replica_args(
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """Each replica's ``(args, kwargs)``: `select_replica` of both, with one flatten for
     all replicas; the very same pair for all when nothing in them is distributed."""
+    if not kwargs:  # the common step: a few arrays, each already known to be a plain leaf
+        for arg in args:
+            if not _nest.is_plain_leaf(arg):
+                break
+        else:
+            return [(args, kwargs)] * n
     flat, spec = _nest.flatten((args, kwargs))
     if not any(isinstance(leaf, DistributedValues) for leaf in flat):
         return [(args, kwargs)] * n

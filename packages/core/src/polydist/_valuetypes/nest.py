@@ -17,7 +17,7 @@ answer is cached per type, so the hot path stays one dict lookup per node.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "flatten_with_path",
     "framework_node",
     "is_nested",
+    "is_plain_leaf",
     "map_structure",
     "register_tree_system",
     "unflatten",
@@ -62,6 +63,9 @@ _systems: dict[str, _System] = {}
 #: Per type: whether core forces it to be a leaf (distributed values). Every type met
 #: is cached here once it has been classified (and, if a node, registered).
 _forced_leaf: dict[type, bool] = {}
+#: Per type, once classified: whether its instances are plain leaves (`is_plain_leaf`).
+#: Cleared with ``_forced_leaf``.
+_plain_leaf: dict[type, bool] = {}
 #: Framework node types registered with optree, and the system that flattens each.
 _registered: dict[type, str] = {}
 
@@ -117,6 +121,7 @@ def register_tree_system(
         _systems[name] = _System(name, flatten_one_level, unflatten, keys)
         # Types already classified as leaves may be this system's nodes: ask again.
         _forced_leaf.clear()
+        _plain_leaf.clear()
 
 
 def _unregister_tree_system(name: str) -> None:
@@ -128,6 +133,7 @@ def _unregister_tree_system(name: str) -> None:
             optree.unregister_pytree_node(cls, namespace=_PATHS_NAMESPACE)
             del _registered[cls]
         _forced_leaf.clear()
+        _plain_leaf.clear()
 
 
 class _Aux:
@@ -244,6 +250,23 @@ def _classify(x: Any) -> bool:
 def _is_leaf(x: Any) -> bool:
     forced = _forced_leaf.get(type(x))
     return _classify(x) if forced is None else forced
+
+
+def is_plain_leaf(x: Any) -> bool:
+    """Whether ``x`` is a leaf that is no distributed value and no ``Mapping`` (which
+    regrouping rebuilds even where optree sees a leaf), by what was learned about its
+    type before (``False`` also when its type was not classified yet): lets a per-step
+    path skip a flatten when its values are plain arrays."""
+    cls = type(x)
+    plain = _plain_leaf.get(cls)
+    if plain is None:
+        if _forced_leaf.get(cls) is not False:
+            return False  # distributed, or not classified yet
+        # optree's answer depends on the type alone (its registry, namedtuple-ness).
+        plain = _plain_leaf[cls] = not isinstance(x, Mapping) and optree.tree_is_leaf(
+            x, none_is_leaf=True, namespace=NAMESPACE
+        )
+    return plain
 
 
 def _leaf_predicate(is_leaf: Callable[[Any], bool] | None) -> Callable[[Any], bool]:

@@ -174,6 +174,8 @@ def regroup(
     that variable.
     """
     v0 = values[0]
+    if len(values) == 1 and not always_wrap and _nest.is_plain_leaf(v0):
+        return v0  # one replica's plain leaf: itself, as the general rule below gives
     if isinstance(v0, list | tuple):
         _check_same_structure(values, type(v0), len(v0))
         items = [
