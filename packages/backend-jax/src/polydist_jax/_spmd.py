@@ -1011,12 +1011,8 @@ class CompiledRunner:
             or plan.x64 != x64_enabled()
         ):
             return NOT_HANDLED
-        for cell, held in zip(plan.closure, plan.contents, strict=True):
-            try:
-                if cell.cell_contents is not held:
-                    return NOT_HANDLED
-            except ValueError:
-                return NOT_HANDLED
+        if not _closure_unchanged(plan):
+            return NOT_HANDLED
         dispatch = plan.dispatch
         flat: Sequence[Any]
         if dispatch is not None and not kwargs and _leaf_types(args, dispatch.types):
@@ -1478,12 +1474,8 @@ class CompiledRunner:
         variables = [ref() for ref in plan.variables]
         if any(v is None for v in variables):
             return None
-        for cell, held in zip(plan.closure, plan.contents, strict=True):
-            try:
-                if cell.cell_contents is not held:
-                    return None
-            except ValueError:
-                return None
+        if not _closure_unchanged(plan):
+            return None
         inputs = plan.inputs
         changed: list[int] = []
         for i, column in enumerate(columns):
@@ -2122,6 +2114,17 @@ def _same_result(expected: Any, got: Any) -> bool:
             and len(e.values) == len(g.values)
             and all(a is b for a, b in zip(e.values, g.values, strict=True))
         ):
+            return False
+    return True
+
+
+def _closure_unchanged(plan: _Plan) -> bool:
+    """Whether each cell of fn's closure still holds what the plan was traced with."""
+    for cell, held in zip(plan.closure, plan.contents, strict=True):
+        try:
+            if cell.cell_contents is not held:
+                return False
+        except ValueError:  # the cell was emptied
             return False
     return True
 

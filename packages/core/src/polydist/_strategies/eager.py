@@ -90,7 +90,7 @@ def timeout_seconds_from_env(default: float = DEFAULT_TIMEOUT_SECONDS) -> float:
     The one parser of the variable, for every backend. Raises ``ValueError``
     naming the variable unless it is a finite number of seconds above 0.
     """
-    text = _timeout_text().strip()
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
     if not text:
         return default
     cached = _PARSED.get(text)  # read at every run: parse each text once
@@ -113,20 +113,6 @@ def timeout_seconds_from_env(default: float = DEFAULT_TIMEOUT_SECONDS) -> float:
 
 
 _PARSED: dict[str, float] = {}
-
-_ENVIRON = os.environ
-# On POSIX os.environ keeps the bytes it was given in ``_data``: one dict lookup per
-# run, where ``os.environ.get`` of an unset name raises and catches a KeyError.
-_ENVIRON_DATA: Any = getattr(_ENVIRON, "_data", None) if os.name == "posix" else None
-_TIMEOUT_KEY = os.fsencode(TIMEOUT_ENV)
-
-
-def _timeout_text() -> str:
-    data = _ENVIRON_DATA
-    if data is None or os.environ is not _ENVIRON or type(data) is not dict:
-        return os.environ.get(TIMEOUT_ENV, "")
-    raw = data.get(_TIMEOUT_KEY)
-    return "" if raw is None else os.fsdecode(raw)
 
 
 def default_timeout() -> float:
