@@ -3,6 +3,7 @@ placing an input once, the deferred divergence check. Values, never timings."""
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from typing import Any, NamedTuple
 
@@ -627,3 +628,76 @@ def test_a_direct_call_inside_jax_jit_joins_its_trace() -> None:
         return strategy.run(double, (x,)) + y
 
     assert outer(jnp.ones(3)).tolist() == [1.0, 3.0, 5.0]
+
+
+def count_splits(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The deferred results whose components were made (`_spmd._Result.components`)."""
+    made: list[Any] = []
+    original = _spmd._Result.components
+
+    def counting(self: Any) -> Any:
+        made.append(self)
+        return original(self)
+
+    monkeypatch.setattr(_spmd._Result, "components", counting)
+    return made
+
+
+def test_results_passed_back_in_are_never_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The getting-started idiom at several devices: a direct call's results stay one
+    # global array each (a deferred PerReplica); the next step takes that array whole.
+    strategy, backend = make()
+
+    def step(w: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        grad = ctx.all_reduce("MEAN", x * w)
+        return w - 0.5 * grad, jnp.sum(grad)
+
+    w = replicate(strategy, jnp.ones(3))
+    x = on_devices([jnp.arange(3.0) + r for r in range(N)], jax.devices()[:N])
+    w, loss = strategy.run(step, (w, x))
+    w, loss = strategy.run(step, (w, x))  # the checked first replay
+    made = count_splits(monkeypatch)
+    assembled: list[Any] = []
+    make_array = jax.make_array_from_single_device_arrays
+    monkeypatch.setattr(
+        jax,
+        "make_array_from_single_device_arrays",
+        lambda *a, **k: assembled.append(a) or make_array(*a, **k),
+    )
+    for _ in range(3):
+        w, loss = strategy.run(step, (w, x))
+        assert type(w) is pd.PerReplica and type(loss) is pd.PerReplica
+    assert made == [] and assembled == []  # nothing split, nothing joined again
+    # Read, they are each replica's arrays, on its device, rank 0 where returned so.
+    expected = np.ones(3)
+    for _ in range(5):
+        grad = np.mean([(np.arange(3.0) + r) * expected for r in range(N)], axis=0)
+        expected = expected - 0.5 * grad
+    parts = strategy.experimental_local_results(w)
+    assert [str(p.device) for p in parts] == [str(d) for d in jax.devices()[:N]]
+    for p in parts:
+        np.testing.assert_allclose(np.asarray(p), expected, rtol=1e-6)
+    losses = loss.values
+    assert all(np.shape(p) == () for p in losses)
+    assert [str(p.device) for p in losses] == [str(d) for d in jax.devices()[:N]]
+    assert len(made) == 2 and backend.compile_count == 1
+    # A result read per replica is still passed back whole.
+    w, loss = strategy.run(step, (w, x))
+    assert len(made) == 2 and assembled == []
+
+
+def test_a_deferred_result_pickles_and_crosses_strategies() -> None:
+    strategy, _ = make()
+    x = on_devices([jnp.full(2, float(r)) for r in range(N)], jax.devices()[:N])
+    for _ in range(3):
+        out = strategy.run(triple, (x,))
+    assert _spmd.component_source(out) is not None  # a direct call's result
+    restored = pickle.loads(pickle.dumps(out))
+    assert [c.tolist() for c in restored.values] == [[3.0 * r] * 2 for r in range(N)]
+    # Into a strategy on other devices: read per replica and placed there.
+    other = pd.MirroredStrategy([f"/cpu:{d}" for d in (4, 5, 6, 7)], backend=JaxBackend())
+    moved = other.run(plus_one, (out,))
+    assert [c.tolist() for c in moved.values] == [[3.0 * r + 1] * 2 for r in range(N)]
+    assert [str(c.device) for c in moved.values] == [str(d) for d in jax.devices()[4:8]]

@@ -60,6 +60,8 @@ from polydist.backend.values import (
     DistributedValues,
     DistributedVariable,
     PerReplica,
+    component_source,
+    deferred,
     regroup,
     value_container,
 )
@@ -133,6 +135,11 @@ class _Mesh:
     # (WORKERS, AXIS), worker-major, so the linear index is the global replica id.
     axes: tuple[str, ...] = (AXIS,)
     size: int = 0  # every process's replicas; 0: this process's are all
+    # Per output sharding: where each replica's array is among an array's addressable
+    # ones (None: fully replicated), so `_shards` reads them without Shard objects.
+    orders: dict[Any, tuple[int, ...] | None] = field(
+        default_factory=dict, compare=False, hash=False
+    )
 
     # Cached: read several times per step.
     @functools.cached_property
@@ -1089,14 +1096,13 @@ class CompiledRunner:
             dispatch.checked = True
             self._remember_outputs(plan, program, split, split_parts)
             return expected
-        if program.single is not None:
+        if program.single is not None or len(mesh.devices) == 1:
             # One device: the outputs are single-device arrays, rank 0 as returned.
             split_parts = [[g] for g in split]
             replicated_parts = [[g] for g in replicated]
-        else:
-            split_parts, replicated_parts = _parts(program, split, replicated, mesh)
-            self._remember_outputs(plan, program, split, split_parts)
-        return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
+            return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
+        plan.recent = {}  # results are whole (`_Result`): found by their source
+        return _deferred_result(program, dispatch, split, replicated, mesh, variables, flat)
 
     @staticmethod
     def _remember_outputs(
@@ -1195,6 +1201,17 @@ class CompiledRunner:
             else:
                 if not isinstance(x, DistributedValues) or x._select_whole:
                     return False
+                source = component_source(x)
+                if source is not None:
+                    if source is dispatch.held[i]:
+                        continue
+                    if type(source) is _Result:
+                        placed = source.input_for(mesh, dispatch.avals[i])
+                        if placed is not None:  # a result of an earlier call, whole
+                            refs[i] = [_UNKNOWN] * n
+                            dispatch.held[i] = source
+                            plan.inputs[slots[i]] = placed  # type: ignore[index]
+                            continue
                 values = x._values
                 if values is dispatch.held[i]:
                     continue
@@ -2182,6 +2199,45 @@ def _direct_result(
     return _nest.unflatten(program.out_spec, leaves)
 
 
+def _deferred_result(
+    program: _Program,
+    dispatch: _Dispatch,
+    split: Sequence[Any],
+    replicated: Sequence[Any],
+    mesh: _Mesh,
+    variables: list[Variable],
+    flat: Sequence[Any],
+) -> Any:
+    """`_direct_result` with each per-replica result a `deferred` ``PerReplica`` of its
+    global array (`_Result`): not split per replica unless read."""
+    scalars = program.scalars
+    if scalars is None:
+        scalars = program.scalars = [
+            o.index for o in program.outputs if o.kind == "split" and o.scalar
+        ]
+    leaves: list[Any] = []
+    for how, index, obj in dispatch.outputs:
+        if how == _R_PARTS:
+            is_split = obj == "split"
+            array = (split if is_split else replicated)[index]
+            scalar = is_split and index in scalars
+            leaves.append(deferred(PerReplica, _Result(array, mesh, scalar, is_split)))
+        elif how == _R_FIRST:
+            parts = _shards((split if obj == "split" else replicated)[index], mesh)
+            if obj == "split" and index in scalars:
+                parts = [_to_scalar(parts[0])[0]]
+            leaves.append(parts[0])
+        elif how == _R_OBJECT:
+            leaves.append(obj)
+        elif how == _R_VARIABLE:
+            leaves.append(variables[index])
+        else:
+            leaves.append(flat[index])
+    if dispatch.leaf:
+        return leaves[0]
+    return _nest.unflatten(program.out_spec, leaves)
+
+
 def _copy(x: Any) -> Any:
     """A copy of ``x`` with its sharding (a new buffer, safe to donate)."""
     return jnp.array(x, copy=True)
@@ -2195,10 +2251,76 @@ def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
         if sharding is mesh.single[0] or sharding == mesh.replicated:
             return [global_array]
         return [global_array.addressable_data(0)]
+    sharding = global_array.sharding
+    orders = mesh.orders
+    try:
+        order = orders[sharding]
+    except KeyError:
+        order = None
+        if not sharding.is_fully_replicated and len(orders) < 64:
+            devices = [shard.device for shard in global_array.addressable_shards]
+            if sorted(mesh.index[d] for d in devices) == list(range(len(mesh.devices))):
+                position = {d: p for p, d in enumerate(devices)}
+                order = tuple(position[d] for d in mesh.devices)
+            orders[sharding] = order
+    if order is not None:
+        # addressable_data(p): the p-th addressable array, JAX's own, no Shard built.
+        data = global_array.addressable_data
+        return [data(p) for p in order]
     parts: list[Any] = [None] * len(mesh.devices)
     for shard in global_array.addressable_shards:
         parts[mesh.index[shard.device]] = shard.data
     return parts
+
+
+class _Result:
+    """A direct call's per-replica result, kept whole (a `deferred` ``PerReplica``'s
+    source): split into each replica's array only when something reads its
+    components, and passed back into a later call as the global array it is."""
+
+    __slots__ = ("array", "mesh", "scalar", "split")
+
+    def __init__(self, array: Any, mesh: _Mesh, scalar: bool, split: bool) -> None:
+        self.array = array
+        self.mesh = mesh
+        self.scalar = scalar  # each replica's value is rank 0 (the array is [n])
+        self.split = split  # split over the replicas (else replicated on each)
+
+    def components(self) -> list[Any]:
+        parts = _shards(self.array, self.mesh)
+        if self.scalar:
+            parts = [_to_scalar(p)[0] for p in parts]
+        return parts
+
+    def input_for(self, mesh: _Mesh, aval: Any) -> Any:
+        """The program input this result is for a per-replica leaf of block ``aval`` on
+        ``mesh`` (itself, when split the same way), else None."""
+        if not self.split or self.scalar or mesh is not self.mesh or not aval[0]:
+            return None
+        shape, dtype = _aval(self.array)
+        n = len(mesh.devices)
+        if dtype != aval[1] or not shape or shape[0] != n * aval[0][0] or shape[1:] != aval[0][1:]:
+            return None
+        return self.array
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its components (a mesh is this process's).
+        return (_Components, (tuple(self.components()),))
+
+    def __repr__(self) -> str:
+        return f"_Result({describe(self.array)}, {len(self.mesh.devices)} replicas)"
+
+
+class _Components:
+    """A `deferred` value's components, made already (an unpickled `_Result`)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: tuple[Any, ...]) -> None:
+        self.parts = parts
+
+    def components(self) -> tuple[Any, ...]:
+        return self.parts
 
 
 def _slices(global_array: Any, n: int, scalar: bool) -> list[Any]:
