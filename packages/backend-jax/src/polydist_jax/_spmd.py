@@ -903,6 +903,9 @@ class CompiledRunner:
         self._plans: weakref.WeakKeyDictionary[
             StrategyExtended, collections.OrderedDict[Any, _Plan]
         ] = weakref.WeakKeyDictionary()
+        # The last strategy `run_direct` looked up, and its plans (a weak-key lookup
+        # costs a weak reference each call).
+        self._last_plans: tuple[weakref.ref[Any], collections.OrderedDict[Any, _Plan]] | None = None
         # id(shared input) -> (its weak reference, mesh, its replicated copy or None: itself)
         self._placed: dict[int, tuple[weakref.ref[Any], _Mesh, Any]] = {}
 
@@ -916,6 +919,7 @@ class CompiledRunner:
         with self._lock:
             self._programs.clear()
             self._plans.clear()
+            self._last_plans = None
         self._variable_inputs.clear()
 
     def _mesh(self, devices: tuple[str, ...]) -> _Mesh:
@@ -1006,7 +1010,16 @@ class CompiledRunner:
         if self._group is not None:
             return NOT_HANDLED  # across processes every call agrees first (`run`)
         strategy = replicas.strategy
-        plans = self._plans.get(strategy.extended) if strategy is not None else None
+        if strategy is None:
+            return NOT_HANDLED
+        extended = strategy.extended
+        last = self._last_plans
+        if last is not None and last[0]() is extended:
+            plans: collections.OrderedDict[Any, _Plan] | None = last[1]
+        else:
+            plans = self._plans.get(extended)
+            if plans is not None:
+                self._last_plans = (weakref.ref(extended), plans)
         plan = plans.get(fn) if plans is not None else None
         if plan is None or not plan.direct:
             return NOT_HANDLED

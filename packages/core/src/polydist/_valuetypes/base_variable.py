@@ -77,10 +77,27 @@ class _ExtendedState:
 _STATES: weakref.WeakKeyDictionary[Any, _ExtendedState] = weakref.WeakKeyDictionary()
 
 
+# The last strategy `existing_state` found, and its state: each `strategy.run` asks, and
+# a weak-key lookup costs a weak reference per call.
+_LAST: tuple[weakref.ref[Any], _ExtendedState] | None = None
+
+
 def _state(extended: StrategyExtended) -> _ExtendedState:
     state = _STATES.get(extended)
     if state is None:
         state = _STATES[extended] = _ExtendedState()
+    return state
+
+
+def existing_state(extended: StrategyExtended) -> _ExtendedState | None:
+    """``extended``'s bookkeeping if it has any yet (nothing is created)."""
+    global _LAST
+    last = _LAST
+    if last is not None and last[0]() is extended:
+        return last[1]
+    state = _STATES.get(extended)
+    if state is not None:
+        _LAST = (weakref.ref(extended), state)
     return state
 
 
