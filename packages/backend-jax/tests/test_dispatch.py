@@ -701,3 +701,22 @@ def test_a_deferred_result_pickles_and_crosses_strategies() -> None:
     moved = other.run(plus_one, (out,))
     assert [c.tolist() for c in moved.values] == [[3.0 * r + 1] * 2 for r in range(N)]
     assert [str(c.device) for c in moved.values] == [str(d) for d in jax.devices()[4:8]]
+
+
+def test_shards_are_jax_own_per_device_arrays_in_replica_order() -> None:
+    mesh = _spmd._Mesh.build(tuple(f"/cpu:{d}" for d in (3, 1, 2, 0)))  # not JAX's order
+    rows = jnp.arange(8.0).reshape(4, 2)
+    array = jax.device_put(rows, mesh.split)
+    for _ in range(2):  # the order found once, then read from the cache
+        parts = _spmd._shards(array, mesh)
+        assert [str(p.device) for p in parts] == [str(d) for d in mesh.devices]
+        assert [p.tolist() for p in parts] == rows[:, None].tolist()
+        by_device = {s.device: s.data for s in array.addressable_shards}
+        assert all(p is by_device[d] for p, d in zip(parts, mesh.devices, strict=True))
+    replicated = jax.device_put(jnp.ones(2), mesh.replicated)
+    assert [str(p.device) for p in _spmd._shards(replicated, mesh)] == [
+        str(d) for d in mesh.devices
+    ]
+    array.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        _spmd._shards(array, mesh)

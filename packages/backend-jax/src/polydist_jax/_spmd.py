@@ -2277,7 +2277,12 @@ def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
                 order = tuple(position[d] for d in mesh.devices)
             orders[sharding] = order
     if order is not None:
-        # addressable_data(p): the p-th addressable array, JAX's own, no Shard built.
+        # The p-th addressable array, JAX's own object, no Shard built: ``_arrays`` is the
+        # list `addressable_data(p)` indexes (read once here, not through 4 calls per
+        # array, which a step with several devices and outputs notices).
+        arrays = None if global_array.is_deleted() else getattr(global_array, "_arrays", None)
+        if type(arrays) is list and len(arrays) == len(order):
+            return [arrays[p] for p in order]
         data = global_array.addressable_data
         return [data(p) for p in order]
     parts: list[Any] = [None] * len(mesh.devices)
