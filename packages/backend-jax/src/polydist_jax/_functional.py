@@ -483,25 +483,31 @@ class InputCache:
         the caller's own references to them are gone."""
         hit = self._cache.get(var)
         if hit is not None:
-            self._cache[var] = (hit[0], hit[1], _refcounts(storage_arrays(var)))
+            # The copies ``put`` just recorded (a new list: counted as `exclusive` counts).
+            self._cache[var] = (hit[0], hit[1], _refcounts(list(hit[0])))
 
     def exclusive(self, var: Variable) -> bool:
         """Whether only the variable and this cache hold ``var``'s stored copies (no
         array a user took from it, no other variable storing the same array)."""
+        return self.lookup(var)[1]
+
+    def lookup(self, var: Variable) -> tuple[Any, bool]:
+        """``get`` with ``var``'s stored copies and whether they are `exclusive`, from
+        one read of them (the direct path asks both each step)."""
         hit = self._cache.get(var)
         if hit is None:
-            return False
-        held, _, baseline = hit
+            return None, False
+        held, global_array, baseline = hit
         arrays = storage_arrays(var)
         if len(held) != len(arrays) or any(a is not b for a, b in zip(held, arrays, strict=True)):
-            return False
+            return None, False
         counts = _refcounts(arrays)
         if baseline is None:
             # Stored by someone else (creation, an assign outside run): each copy held by
             # its component, this cache's key and ``arrays`` only. A copy stored by
             # several components counts once per component: more than expected, not ours.
-            return all(c <= _ALONE + 2 for c in counts)
-        return all(c <= b for c, b in zip(counts, baseline, strict=True))
+            return global_array, all(c <= _ALONE + 2 for c in counts)
+        return global_array, all(c <= b for c, b in zip(counts, baseline, strict=True))
 
     def clear(self) -> None:
         self._cache.clear()

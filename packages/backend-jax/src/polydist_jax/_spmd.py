@@ -1054,19 +1054,21 @@ class CompiledRunner:
         cache = self._variable_inputs
         if plan.variables:
             var_inputs: list[Any] = []
+            alone: list[bool] = []
             for ref in plan.variables:
                 var = ref()
                 if var is None:
                     return NOT_HANDLED
-                cached = cache.get(var, storage_arrays(var))
+                cached, only_ours = cache.lookup(var)
                 if cached is None:
                     return NOT_HANDLED  # written from outside: `run` assembles it again
                 variables.append(var)
                 var_inputs.append(cached)
+                alone.append(only_ours)
             inputs = _ordered(var_inputs, plan.inputs)
             offset = _variables_offset(len(inputs), len(variables))
             for i in program.donated:
-                if not cache.exclusive(variables[i - offset]):
+                if not alone[i - offset]:
                     inputs[i] = _copy(inputs[i])
         else:
             inputs = _ordered([], plan.inputs)
