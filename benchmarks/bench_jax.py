@@ -18,8 +18,12 @@ process (the machine may be shared, so load hits all alike):
   state donated). Optional: skipped (and said so) when ``keras`` is not installed;
   ``nox -s bench-jax`` installs it.
 
-Each contestant's ratio is the median over rounds of (its step / the hand-written
-step in the same round); polydist's compiles after its first step are counted
+Each step ends by waiting for its results (``jax.block_until_ready``): the
+hand-written step's params and loss; polydist's returned params (each replica's
+copy) and loss; with variables, the loss (the variables' new copies come from the
+same program, so they are ready with it, and ``v.values`` holds Variables, which
+``block_until_ready`` cannot wait on). Each contestant's ratio is the median over
+rounds of (its step / the hand-written step in the same round); polydist's compiles after its first step are counted
 (target 0). Also the cost of ``run`` itself: a trivial ``all_reduce(x * 2)`` on 4
 floats per replica, polydist vs the hand-written jit(shard_map(psum)), on 1 and on
 every device. And memory (``_memory``): peak RSS of a fresh process per
@@ -243,8 +247,7 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         block((state["pd"], loss))
 
     def run_variables() -> None:
-        loss = strategy.run(variables_step, (x_pr, y_pr))
-        block((loss, [v.values for v in variables]))
+        block(strategy.run(variables_step, (x_pr, y_pr)))
 
     def run_hand() -> None:
         state["hand"], loss = hand(state["hand"], x_global, y_global)
