@@ -23,8 +23,8 @@ hand-written step's params and loss; polydist's returned params (each replica's
 copy) and loss; with variables, the loss (the variables' new copies come from the
 same program, so they are ready with it, and ``v.values`` holds Variables, which
 ``block_until_ready`` cannot wait on). Each contestant's ratio is the median over
-rounds of (its step / the hand-written step in the same round); polydist's compiles after its first step are counted
-(target 0). Also the cost of ``run`` itself: a trivial ``all_reduce(x * 2)`` on 4
+rounds of (its step / the hand-written step in the same round); polydist's compiles
+after its first step are counted (target 0). Also the cost of ``run`` itself: a trivial ``all_reduce(x * 2)`` on 4
 floats per replica, polydist vs the hand-written jit(shard_map(psum)), on 1 and on
 every device. And memory (``_memory``): peak RSS of a fresh process per
 contestant whose state is one float32 variable of ``--memory-mb`` MB that each of

@@ -720,3 +720,53 @@ def test_shards_are_jax_own_per_device_arrays_in_replica_order() -> None:
     array.delete()
     with pytest.raises(RuntimeError, match="deleted"):
         _spmd._shards(array, mesh)
+
+
+def count_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The variable copies split out of a program's output (`_spmd._Stored.component`)."""
+    made: list[int] = []
+    original = _spmd._Stored.component
+
+    def counting(self: Any, index: int) -> Any:
+        made.append(index)
+        return original(self, index)
+
+    monkeypatch.setattr(_spmd._Stored, "component", counting)
+    return made
+
+
+@pytest.mark.parametrize("shape", [(3,), ()], ids=["vector", "rank0"])
+def test_variable_copies_stay_whole_until_read(
+    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strategy, backend = make()
+    with strategy.scope():
+        v = pd.Variable(np.zeros(shape, np.float32), aggregation=pd.VariableAggregation.MEAN)
+
+    def step(x: Any) -> Any:
+        v.assign_add(jnp.reshape(x, shape) if shape else jnp.sum(x))
+        return jnp.sum(x)
+
+    x = on_devices([jnp.full(3, float(r)) for r in range(N)], jax.devices()[:N])
+    for _ in range(2):
+        strategy.run(step, (x,))
+    made = count_copies(monkeypatch)
+    before = cached_input(backend, v)
+    for _ in range(3):
+        strategy.run(step, (x,))
+    assert made == []  # five steps, no copy split out
+    assert before.is_deleted()  # and the copies were donated each step
+    mean = sum(range(N)) / N * (1 if shape else 3)
+    assert v.numpy().tolist() == np.full(shape, 5 * mean).tolist()
+    assert made == [0]  # replica 0's copy only
+    parts = [c.value() for c in v.values]
+    assert made == [0, 1, 2, 3]
+    assert [p.shape for p in parts] == [shape] * N
+    assert [str(p.device) for p in parts] == [str(d) for d in jax.devices()[:N]]
+    # A copy a user holds is not donated (copied first); the rest still are.
+    held = parts[2]
+    del parts
+    strategy.run(step, (x,))
+    assert not held.is_deleted() and held.tolist() == np.full(shape, 5 * mean).tolist()
+    assert [c.numpy().tolist() for c in v.values] == [np.full(shape, 6 * mean).tolist()] * N
+    assert backend.compile_count == 1

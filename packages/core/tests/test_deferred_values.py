@@ -1,6 +1,7 @@
 """Deferred distributed values (``polydist.backend.values.deferred``): a backend's
 per-replica result whose components are made on first read. It is a ``PerReplica``
-like any other to everything that reads it."""
+like any other to everything that reads it. And deferred variable storage
+(``polydist.backend.tracing.defer_storage``): a variable's copies made when read."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
+from polydist.backend.tracing import defer_storage, deferred_storage, storage_arrays, swap_storage
 from polydist.backend.values import component_source, deferred, select_replica
 
 
@@ -92,3 +94,70 @@ def test_only_per_replica_and_mirrored_values_are_deferred() -> None:
     assert deferred(pd.Mirrored, Counting([5, 5])).values == (5, 5)
     with pytest.raises(TypeError, match="PerReplica or Mirrored values, not MirroredVariable"):
         deferred(pd.MirroredVariable, Counting([1]))
+
+
+# -- deferred variable storage (polydist.backend.tracing.defer_storage) --------------------
+
+
+class Copies:
+    """A variable's deferred copies, counting which were asked for."""
+
+    def __init__(self, arrays: Sequence[Any]) -> None:
+        self.arrays = list(arrays)
+        self.asked: list[int] = []
+
+    def component(self, index: int) -> Any:
+        self.asked.append(index)
+        return self.arrays[index]
+
+
+def mirrored(n: int = 3) -> Any:
+    strategy = pd.MirroredStrategy(n, backend="sim")
+    with strategy.scope():
+        return strategy, pd.Variable(np.zeros(2, np.float32))
+
+
+def test_a_deferred_copy_is_made_when_read_and_only_that_one() -> None:
+    strategy, v = mirrored()
+    source = Copies([np.full(2, float(r), np.float32) for r in range(3)])
+    defer_storage(v, source)
+    assert deferred_storage(v, source) == [None, None, None]
+    assert v.numpy().tolist() == [0.0, 0.0]  # cross-replica read: replica 0's copy
+    assert source.asked == [0]
+    assert v.values[2].numpy().tolist() == [2.0, 2.0]
+    assert source.asked == [0, 2]
+    got = deferred_storage(v, source)
+    assert got is not None and got[1] is None and got[2] is source.arrays[2]
+    assert [a.tolist() for a in storage_arrays(v)] == [[float(r)] * 2 for r in range(3)]
+    assert source.asked == [0, 2, 1]  # each copy asked for once
+    assert not storage_arrays(v)[0].flags.writeable  # stored as any sim array is
+
+
+def test_a_write_ends_the_deferral_of_that_copy() -> None:
+    strategy, v = mirrored()
+    source = Copies([np.full(2, float(r), np.float32) for r in range(3)])
+    defer_storage(v, source)
+    v.values[1].assign(np.full(2, 7.0, np.float32))
+    assert deferred_storage(v, source) is None
+    assert [c.numpy().tolist() for c in v.values] == [[0.0] * 2, [7.0] * 2, [2.0] * 2]
+    # (The write reads the copy it replaces: a backend's store hook gets the old array.)
+    assert sorted(source.asked) == [0, 1, 2]
+    assert storage_arrays(v)[1] is not source.arrays[1]
+    swap_storage(v, [np.ones(2, np.float32)] * 3)
+    assert deferred_storage(v, source) is None
+
+
+def test_deferred_copies_are_copied_deeply_and_missing_attributes_still_raise() -> None:
+    strategy, v = mirrored()
+    defer_storage(v, Copies([np.full(2, float(r), np.float32) for r in range(3)]))
+    clone = copy.deepcopy(v)
+    assert [c.numpy().tolist() for c in clone.values] == [[float(r)] * 2 for r in range(3)]
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        v.values[0].nope  # noqa: B018
+
+
+def test_components_out_of_replica_order_are_refused() -> None:
+    strategy, v = mirrored(2)
+    v.values[1]._replica_index = 0
+    with pytest.raises(ValueError, match="component 1 of .* has replica index 0, not 1"):
+        defer_storage(v, Copies([np.zeros(2, np.float32)] * 2))

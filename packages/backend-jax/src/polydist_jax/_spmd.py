@@ -55,7 +55,7 @@ from polydist.backend import context as _context
 from polydist.backend import nest as _nest
 from polydist.backend import tracing as _trace
 from polydist.backend.arrays import convert_to_array, describe, dtype_name
-from polydist.backend.tracing import storage_arrays, swap_storage, tracking_state
+from polydist.backend.tracing import defer_storage, storage_arrays, swap_storage, tracking_state
 from polydist.backend.values import (
     DistributedValues,
     DistributedVariable,
@@ -981,7 +981,7 @@ class CompiledRunner:
             if not all(getattr(v, "_divergence_warned", False) for v in dirty):
                 # A program's first calls are checked at once; later ones without
                 # waiting for the step (`_DivergenceChecks`).
-                arrays = [self._variable_inputs.get(v, storage_arrays(v)) for v in dirty]
+                arrays = [self._variable_inputs.lookup(v)[0] for v in dirty]
                 found = self._fingerprints(mesh, arrays)
                 self._divergence.add(dirty, found, mesh, wait=first_calls)
         return self._results(program, columns, split, replicated, mesh, traced, variables)
@@ -1087,7 +1087,7 @@ class CompiledRunner:
         if checked:
             dirty = [variables[p] for p in program.dirty]
             if not all(getattr(v, "_divergence_warned", False) for v in dirty):
-                arrays = [cache.get(v, storage_arrays(v)) for v in dirty]
+                arrays = [cache.lookup(v)[0] for v in dirty]
                 found = self._fingerprints(mesh, arrays)
                 self._divergence.add(dirty, found, mesh, wait=first_calls)
         if tracing or not dispatch.checked:
@@ -1561,6 +1561,11 @@ class CompiledRunner:
         keys: list[Any] = []
         units: list[tuple[int, Variable, list[Any]]] = []
         for var in variables:
+            whole = self._variable_inputs.deferred(var)
+            if whole is not None:  # a direct call's copies, still whole
+                keys.append((id(var), True, *whole[1]))
+                inputs.append(whole[0])
+                continue
             arrays = storage_arrays(var)
             distributed = isinstance(var, DistributedVariable)
             shape, dtype = _aval(arrays[0])
@@ -1619,6 +1624,19 @@ class CompiledRunner:
     def _store(
         self, program: _Program, variables: list[Variable], updated: list[Any], mesh: _Mesh
     ) -> None:
+        n = len(mesh.devices)
+        if n > 1 and all(
+            isinstance(variables[p], DistributedVariable) and len(variables[p].values) == n
+            for p, _ in program.updates
+        ):
+            # Several devices: each variable's new copies stay the program's output array
+            # (the next call's input as it is), a copy split out only when read.
+            for (position, scalar), global_array in zip(program.updates, updated, strict=True):
+                var = variables[position]
+                source = _Stored(global_array, mesh, scalar)
+                defer_storage(var, source)
+                self._variable_inputs.put_deferred(var, source, global_array)
+            return
         if mesh.single_device:
             # The variable's own array object, not the program's output (the next input):
             # `InputCache.exclusive` counts who else holds the stored copy.
@@ -2329,6 +2347,41 @@ class _Result:
 
     def __repr__(self) -> str:
         return f"_Result({describe(self.array)}, {len(self.mesh.devices)} replicas)"
+
+
+class _Stored:
+    """A variable's new copies, kept whole (`polydist.backend.tracing.defer_storage`):
+    the program's output array, which the next call takes as it is; replica ``r``'s
+    copy is split out (rank 0 for a rank-0 variable) when something reads it."""
+
+    __slots__ = ("array", "aval", "copies", "expected", "mesh", "parts", "read", "scalar")
+
+    def __init__(self, array: Any, mesh: _Mesh, scalar: bool) -> None:
+        self.array = array
+        self.mesh = mesh
+        self.scalar = scalar
+        self.parts: list[Any] | None = None
+        n = len(mesh.devices)
+        shape, dtype = _aval(array)
+        self.aval = ((), dtype) if scalar else ((shape[0] // n, *shape[1:]), dtype)
+        self.expected = [0] * n
+        self.copies: list[Any] = [None] * n
+        self.read = False
+
+    def component(self, index: int) -> Any:
+        self.read = True
+        parts = self.parts
+        if parts is None:
+            parts = self.parts = _shards(self.array, self.mesh)
+        value = _to_scalar(parts[index])[0] if self.scalar else parts[index]
+        self.copies[index] = value
+        # Its references now, counted as `InputCache.lookup` counts them later: then the
+        # component holds it where ``value`` does now; any more is someone else's.
+        self.expected[index] = _functional._refcounts([value])[0]
+        return value
+
+    def __repr__(self) -> str:
+        return f"_Stored({describe(self.array)}, {len(self.mesh.devices)} replicas)"
 
 
 class _Components:

@@ -112,10 +112,13 @@ from polydist._valuetypes.base_variable import (
     _VariableMethod,
     existing_state,
 )
+from polydist._valuetypes.base_variable import StorageSource as StorageSource
 from polydist._valuetypes.base_variable import Variable as Variable
 from polydist._valuetypes.base_variable import _assign_fn as _assign_fn
 from polydist._valuetypes.base_variable import _components as _components
 from polydist._valuetypes.base_variable import _read_operand as _read_operand
+from polydist._valuetypes.base_variable import defer_storage as defer_storage
+from polydist._valuetypes.base_variable import deferred_storage as deferred_storage
 from polydist._valuetypes.base_variable import storage_arrays as storage_arrays
 from polydist._valuetypes.base_variable import swap_storage as swap_storage
 from polydist._valuetypes.base_variable import tracked_variables as tracked_variables
