@@ -114,11 +114,11 @@ class Copies:
 def mirrored(n: int = 3) -> Any:
     strategy = pd.MirroredStrategy(n, backend="sim")
     with strategy.scope():
-        return strategy, pd.Variable(np.zeros(2, np.float32))
+        return pd.Variable(np.zeros(2, np.float32))
 
 
 def test_a_deferred_copy_is_made_when_read_and_only_that_one() -> None:
-    strategy, v = mirrored()
+    v = mirrored()
     source = Copies([np.full(2, float(r), np.float32) for r in range(3)])
     defer_storage(v, source)
     assert deferred_storage(v, source) == [None, None, None]
@@ -134,7 +134,7 @@ def test_a_deferred_copy_is_made_when_read_and_only_that_one() -> None:
 
 
 def test_a_write_ends_the_deferral_of_that_copy() -> None:
-    strategy, v = mirrored()
+    v = mirrored()
     source = Copies([np.full(2, float(r), np.float32) for r in range(3)])
     defer_storage(v, source)
     v.values[1].assign(np.full(2, 7.0, np.float32))
@@ -148,7 +148,7 @@ def test_a_write_ends_the_deferral_of_that_copy() -> None:
 
 
 def test_deferred_copies_are_copied_deeply_and_missing_attributes_still_raise() -> None:
-    strategy, v = mirrored()
+    v = mirrored()
     defer_storage(v, Copies([np.full(2, float(r), np.float32) for r in range(3)]))
     clone = copy.deepcopy(v)
     assert [c.numpy().tolist() for c in clone.values] == [[float(r)] * 2 for r in range(3)]
@@ -157,7 +157,7 @@ def test_deferred_copies_are_copied_deeply_and_missing_attributes_still_raise() 
 
 
 def test_components_out_of_replica_order_are_refused() -> None:
-    strategy, v = mirrored(2)
+    v = mirrored(2)
     v.values[1]._replica_index = 0
     with pytest.raises(ValueError, match="component 1 of .* has replica index 0, not 1"):
         defer_storage(v, Copies([np.zeros(2, np.float32)] * 2))
