@@ -24,9 +24,9 @@ copy) and loss; with variables, the loss (the variables' new copies come from th
 same program, so they are ready with it, and ``v.values`` holds Variables, which
 ``block_until_ready`` cannot wait on). Each contestant's ratio is the median over
 rounds of (its step / the hand-written step in the same round); polydist's compiles
-after its first step are counted (target 0). Also the cost of ``run`` itself: a trivial ``all_reduce(x * 2)`` on 4
-floats per replica, polydist vs the hand-written jit(shard_map(psum)), on 1 and on
-every device. And memory (``_memory``): peak RSS of a fresh process per
+after its first step are counted (target 0). Also the cost of ``run`` itself: a
+trivial ``all_reduce(x * 2)`` on 4 floats per replica, polydist vs the hand-written
+jit(shard_map(psum)), on 1 and on every device. And memory (``_memory``): peak RSS of a fresh process per
 contestant whose state is one float32 variable of ``--memory-mb`` MB that each of
 4 steps adds 1 to, 1 replica: polydist (``v.assign`` in ``strategy.run``) against
 ``jax.device_put`` + ``jax.jit(..., donate_argnums=0)``; on a GPU also the
