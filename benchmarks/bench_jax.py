@@ -26,12 +26,13 @@ same program, so they are ready with it, and ``v.values`` holds Variables, which
 rounds of (its step / the hand-written step in the same round); polydist's compiles
 after its first step are counted (target 0). Also the cost of ``run`` itself: a
 trivial ``all_reduce(x * 2)`` on 4 floats per replica, polydist vs the hand-written
-jit(shard_map(psum)), on 1 and on every device. And memory (``_memory``): peak RSS of a fresh process per
-contestant whose state is one float32 variable of ``--memory-mb`` MB that each of
-4 steps adds 1 to, 1 replica: polydist (``v.assign`` in ``strategy.run``) against
-``jax.device_put`` + ``jax.jit(..., donate_argnums=0)``; on a GPU also the
-device's ``memory_stats()["peak_bytes_in_use"]``. ``--memory-only`` measures only
-that and updates the memory part of an earlier run's results file.
+jit(shard_map(psum)), on 1 and on every device. And memory (``_memory``): peak RSS
+of a fresh process per contestant whose state is one float32 variable of
+``--memory-mb`` MB that each of 4 steps adds 1 to, 1 replica: polydist (``v.assign``
+in ``strategy.run``) against ``jax.device_put`` + ``jax.jit(...,
+donate_argnums=0)``; on a GPU also the device's
+``memory_stats()["peak_bytes_in_use"]``. ``--memory-only`` measures only that and
+updates the memory part of an earlier run's results file.
 
 ``python benchmarks/bench_jax.py`` uses every device of JAX's default platform; on
 CPU it sets ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (8 fake devices)
