@@ -2336,7 +2336,7 @@ class _Result:
         if not self.split or self.scalar or mesh is not self.mesh or not aval[0]:
             return None
         shape, dtype = _aval(self.array)
-        n = len(mesh.devices)
+        n = mesh.replicas  # every process's: the array is global
         if dtype != aval[1] or not shape or shape[0] != n * aval[0][0] or shape[1:] != aval[0][1:]:
             return None
         return self.array
@@ -2363,7 +2363,8 @@ class _Stored:
         self.parts: list[Any] | None = None
         n = len(mesh.devices)
         shape, dtype = _aval(array)
-        self.aval = ((), dtype) if scalar else ((shape[0] // n, *shape[1:]), dtype)
+        block = (shape[0] // mesh.replicas, *shape[1:])  # the array spans every process
+        self.aval = ((), dtype) if scalar else (block, dtype)
         self.expected = [0] * n
         self.copies: list[Any] = [None] * n
         self.read = False
