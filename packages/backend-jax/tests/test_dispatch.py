@@ -714,9 +714,11 @@ def test_shards_are_jax_own_per_device_arrays_in_replica_order() -> None:
         by_device = {s.device: s.data for s in array.addressable_shards}
         assert all(p is by_device[d] for p, d in zip(parts, mesh.devices, strict=True))
     replicated = jax.device_put(jnp.ones(2), mesh.replicated)
-    assert [str(p.device) for p in _spmd._shards(replicated, mesh)] == [
-        str(d) for d in mesh.devices
-    ]
+    for _ in range(2):
+        copies = _spmd._shards(replicated, mesh)
+        assert [str(p.device) for p in copies] == [str(d) for d in mesh.devices]
+        by_device = {s.device: s.data for s in replicated.addressable_shards}
+        assert all(p is by_device[d] for p, d in zip(copies, mesh.devices, strict=True))
     array.delete()
     with pytest.raises(RuntimeError, match="deleted"):
         _spmd._shards(array, mesh)

@@ -2290,7 +2290,7 @@ def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
         order = orders[sharding]
     except KeyError:
         order = None
-        if not sharding.is_fully_replicated and len(orders) < 64:
+        if len(orders) < 64:
             devices = [shard.device for shard in global_array.addressable_shards]
             if sorted(mesh.index[d] for d in devices) == list(range(len(mesh.devices))):
                 position = {d: p for p, d in enumerate(devices)}
@@ -2303,8 +2303,9 @@ def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
         arrays = None if global_array.is_deleted() else getattr(global_array, "_arrays", None)
         if type(arrays) is list and len(arrays) == len(order):
             return [arrays[p] for p in order]
-        data = global_array.addressable_data
-        return [data(p) for p in order]
+        if not sharding.is_fully_replicated:  # (else addressable_data gives the first)
+            data = global_array.addressable_data
+            return [data(p) for p in order]
     parts: list[Any] = [None] * len(mesh.devices)
     for shard in global_array.addressable_shards:
         parts[mesh.index[shard.device]] = shard.data
