@@ -772,3 +772,22 @@ def test_variable_copies_stay_whole_until_read(
     assert not held.is_deleted() and held.tolist() == np.full(shape, 5 * mean).tolist()
     assert [c.numpy().tolist() for c in v.values] == [np.full(shape, 6 * mean).tolist()] * N
     assert backend.compile_count == 1
+
+
+def test_deferred_copies_read_first_inside_a_trace_are_concrete() -> None:
+    # A rank-0 copy is split out with a (jitted) reshape: read first while another
+    # function is traced, it must still be a concrete array, not that trace's value.
+    strategy, _ = make()
+    with strategy.scope():
+        v = pd.Variable(0.0, aggregation=pd.VariableAggregation.MEAN)
+    for _ in range(2):
+        strategy.run(lambda: v.assign_add(1.0))
+
+    def reads() -> Any:
+        assert v.shape == ()  # the copy made here, inside this function's trace
+        return v.value() * 2
+
+    out = strategy.run(reads)
+    assert [float(c) for c in out.values] == [4.0] * N
+    assert all(not _spmd.is_tracer(a) for a in storage_arrays(v))
+    assert v.numpy() == 2.0

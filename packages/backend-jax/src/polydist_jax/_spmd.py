@@ -2328,7 +2328,8 @@ class _Result:
     def components(self) -> list[Any]:
         parts = _shards(self.array, self.mesh)
         if self.scalar:
-            parts = [_to_scalar(p)[0] for p in parts]
+            with jax.ensure_compile_time_eval():  # concrete, even when read inside a trace
+                parts = [_to_scalar(p)[0] for p in parts]
         return parts
 
     def input_for(self, mesh: _Mesh, aval: Any) -> Any:
@@ -2375,7 +2376,11 @@ class _Stored:
         parts = self.parts
         if parts is None:
             parts = self.parts = _shards(self.array, self.mesh)
-        value = _to_scalar(parts[index])[0] if self.scalar else parts[index]
+        if self.scalar:
+            with jax.ensure_compile_time_eval():  # concrete, even when read inside a trace
+                value = _to_scalar(parts[index])[0]
+        else:
+            value = parts[index]
         self.copies[index] = value
         # Its references now, counted as `InputCache.lookup` counts them later: then the
         # component holds it where ``value`` does now; any more is someone else's.
