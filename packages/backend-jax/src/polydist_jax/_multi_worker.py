@@ -641,7 +641,9 @@ class _Cluster(mp.ClusterMembership):
     def _disagreement(self, rows: Any, signature: bytes | None, mesh: _Mesh) -> str | None:
         """Why the workers' gathered digests ``rows`` do not agree; None if they do
         (this worker's digest of ``signature`` on ``mesh`` on every row)."""
-        gathered = np.asarray(rows.addressable_data(0))
+        # Replicated: NumPy reads it without this worker's shard built first (half the
+        # CPU time of `addressable_data(0)` on a step's fresh output).
+        gathered = np.asarray(rows)
         if gathered.tobytes() == self._digest_array(signature, mesh)[1]:
             return None  # one comparison: the step's only host work on the agreement
         if gathered[:, 0].all() and (gathered == gathered[self.rank]).all():
