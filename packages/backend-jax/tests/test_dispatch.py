@@ -475,6 +475,13 @@ def test_later_calls_are_direct_and_place_nothing(n: int, monkeypatch: pytest.Mo
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(jax, name, counting)
+    original_global = _spmd._global_array
+
+    def counting_global(*args: Any) -> Any:
+        placed.append(args)
+        return original_global(*args)
+
+    monkeypatch.setattr(_spmd, "_global_array", counting_global)
     for _ in range(3):
         out = strategy.run(replica_sum, (x,))
         assert [c.tolist() for c in strategy.experimental_local_results(out)] == expected
@@ -499,14 +506,20 @@ def test_parameters_passed_in_and_returned(n: int, monkeypatch: pytest.MonkeyPat
     expected = np.ones(3)
     assembled: list[Any] = []
     make_array = jax.make_array_from_single_device_arrays
+    global_array = _spmd._global_array
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         assembled.append(args)
         return make_array(*args, **kwargs)
 
+    def counting_global(*args: Any) -> Any:
+        assembled.append(args)
+        return global_array(*args)
+
     for k in range(4):
         if k == 2:  # the outputs passed back in are the program's own output arrays
             monkeypatch.setattr(jax, "make_array_from_single_device_arrays", counting)
+            monkeypatch.setattr(_spmd, "_global_array", counting_global)
         w, loss = strategy.run(step, (w, x))
         grad = np.arange(3.0) * expected
         expected = expected - 0.5 * grad
@@ -791,3 +804,23 @@ def test_deferred_copies_read_first_inside_a_trace_are_concrete() -> None:
     assert [float(c) for c in out.values] == [4.0] * N
     assert all(not _spmd.is_tracer(a) for a in storage_arrays(v))
     assert v.numpy() == 2.0
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["in_order", "reversed"])
+def test_global_arrays_and_their_shards_are_jax_s_own(reverse: bool) -> None:
+    # `_global_array` builds what jax.make_array_from_single_device_arrays builds, and
+    # `_shards` hands each replica its own block, whatever the mesh's device order.
+    devices = jax.devices()[:N][:: -1 if reverse else 1]
+    mesh = _spmd._Mesh.of(tuple(devices))
+    blocks = [jax.device_put(jnp.full((2,), float(r)), d) for r, d in enumerate(devices)]
+    want = jax.make_array_from_single_device_arrays((2 * N,), mesh.split, blocks)
+    for _ in range(2):  # the second time from the cached abstract value and order
+        got = mesh.assemble(blocks)
+        assert got.sharding == want.sharding and got.aval == want.aval
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        parts = _spmd._shards(got, mesh)
+        assert [p.tolist() for p in parts] == [[float(r)] * 2 for r in range(N)]
+        assert [p.devices() for p in parts] == [{d} for d in devices]
+    keys = [jax.device_put(jax.random.key(r)[None], d) for r, d in enumerate(devices)]
+    joined = mesh.assemble(keys)  # an extended dtype: JAX's own function builds it
+    assert joined.shape == (N,) and jax.dtypes.issubdtype(joined.dtype, jax.dtypes.extended)
