@@ -524,7 +524,7 @@ class EagerReplicaRunner:
         `polydist.backend.replica_group`), each inside its ``ReplicaContext`` and device
         scope, and returns each replica's result in replica order."""
         # Read at every run, inline too: a bad $POLYDIST_TIMEOUT_SECONDS fails at once.
-        timeout = self._timeout if self._timeout is not None else default_timeout()
+        timeout = self._timeout if self._timeout is not None else timeout_seconds_from_env()
         if self._mode == "thread" and len(per_replica_args) == 1:  # runs_inline
             # A lone replica on the calling thread, no scheduler: nobody to wait for.
             args, kwargs = per_replica_args[0]
