@@ -718,7 +718,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             and closure is None
             and not self._optimizer_step_pre_hooks
             and not self._optimizer_step_post_hooks
-            and self._index() == 0
+            and _replica_index(self._strategy, "this DistributedOptimizer") == 0
         ):
             # One replica in sync, inside run: the sum is its own gradients, so the step
             # is the wrapped optimizer's, on the very .grad tensors backward() made.
@@ -760,7 +760,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        r = self._index()
+        r = _replica_index(self._strategy, "this DistributedOptimizer")
         if len(self._replicas) == 1:  # inside run or not, the one copy
             self._replicas[0].zero_grad(set_to_none=set_to_none)
             self._reduced[0] = False
