@@ -74,7 +74,9 @@ gradients in the optimizer's own flat buffer, in place; TF's idiom
 (`ctx.all_reduce` of the gradients, out of place, into `p.grad`) is an
 informational row. A compiled JAX step carries the workers'
 agreement on its program as its own first collective (one tiny all-gather,
-the body under `lax.cond`), so it is one program and one wait per step. Two
+the body under `lax.cond`), so it is one program and one wait per step; from
+a step function's second call on it takes the JAX backend's direct path (still
+agreed on in every call). Two
 processes on the 2 shared cores make these the noisiest rows: see
 [Running on several hosts](multi-host.md#what-is-not-bounded-and-other-limits).
 

@@ -355,6 +355,22 @@ def _train(strategy: pd.Strategy, args: argparse.Namespace, out: Path, rank: int
     )
 
 
+def wait_for_peers(out: Path, rank: int, seconds: float = 30.0) -> None:
+    """Worker 0 leaves last: it hosts the cluster's coordination service (JAX's), and
+    its exit ends the others at once, before a slower one has written its own outcome.
+    It waits (at most ``seconds``) until every worker that joined wrote one."""
+    if rank != 0:
+        return
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        joined = {p.name.removeprefix("joined") for p in out.glob("joined*")}
+        ended = {p.name.removeprefix("error").removesuffix(".json") for p in out.glob("error*")}
+        ended |= {p.name.removeprefix("done") for p in out.glob("done*")}
+        if joined <= ended:
+            return
+        time.sleep(0.05)
+
+
 def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -395,4 +411,6 @@ def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
             )
         )
         sys.stdout.flush()
+        if args.mode == "mismatch":  # every worker raises: let each report its own
+            wait_for_peers(out, rank)
         os._exit(17)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ N = 2
 class RecordingGroup:
     def __init__(self) -> None:
         self.signatures: list[bytes | None] = []
+        self.disagree: set[int] = set()  # the calls of `execute` whose processes disagree
 
     def agree(self, signature: bytes | None, mesh: Any) -> str | None:
         self.signatures.append(signature)
@@ -35,6 +37,8 @@ class RecordingGroup:
         self, signature: bytes, mesh: Any, executable: Any, inputs: Sequence[Any]
     ) -> tuple[str | None, Any]:
         self.signatures.append(signature)
+        if len(self.signatures) - 1 in self.disagree:
+            return "another worker runs another program", None
         return None, executable(*inputs)
 
 
@@ -119,3 +123,64 @@ def test_the_digest_is_computed_once_per_traced_program(
     assert strategy.extended.backend.compile_count == 1  # traced once: for the digest
     for value in strategy.experimental_local_results(out):
         np.testing.assert_array_equal(np.asarray(value), np.arange(1, 4) * N)
+
+
+def sgd_step(w: Any, x: Any) -> Any:
+    # The multi-worker benchmark's idiom: parameters passed in, summed gradients, returned.
+    grad = ctx().all_reduce("SUM", x * w)
+    return w - 0.25 * grad, jnp.sum(grad)
+
+
+def count_prepares(strategy: pd.Strategy, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    runner = strategy.extended.backend._compiled
+    calls: list[int] = []
+    prepare = runner._prepare
+
+    def spy(*args: Any) -> Any:
+        calls.append(1)
+        return prepare(*args)
+
+    monkeypatch.setattr(runner, "_prepare", spy)
+    return calls
+
+
+def test_later_calls_across_processes_are_direct_and_each_agrees(
+    grouped: tuple[pd.Strategy, RecordingGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the first call, a step across processes is `run_direct`'s: not prepared
+    again (classified, placed, looked up), but still agreed on, once per call."""
+    strategy, group = grouped
+    prepares = count_prepares(strategy, monkeypatch)
+    w, x = jnp.ones(3), jnp.arange(3.0)
+    expected = np.ones(3)
+    for _ in range(4):
+        w, loss = strategy.run(sgd_step, (w, x))
+        grad = N * np.arange(3.0) * expected
+        expected = expected - 0.25 * grad
+        for part in strategy.experimental_local_results(w):
+            np.testing.assert_allclose(np.asarray(part), expected, rtol=1e-6)
+        for part in strategy.experimental_local_results(loss):
+            assert not np.shape(part)  # rank 0 per replica, as returned
+            np.testing.assert_allclose(float(part), grad.sum(), rtol=1e-6)
+        w = strategy.experimental_local_results(w)[0]
+    assert prepares == [1]
+    assert len(group.signatures) == 4 and len(set(group.signatures)) == 1
+    assert strategy.extended.backend.compile_count == 1
+
+
+def test_a_direct_call_the_processes_disagree_on_runs_eagerly_without_agreeing_again(
+    grouped: tuple[pd.Strategy, RecordingGroup],
+) -> None:
+    """A direct call whose agreement finds another program elsewhere runs eagerly (as the
+    other processes do), its one agreement done: no second collective for that call."""
+    strategy, group = grouped
+    backend = strategy.extended.backend
+    step = make_step(3, "SUM", False)
+    group.disagree = {2}
+    for k in range(4):
+        out = strategy.run(step)
+        for value in strategy.experimental_local_results(out):
+            np.testing.assert_array_equal(np.asarray(value), np.arange(1, 4) * N)
+        assert len(group.signatures) == k + 1  # one agreement per call
+        assert backend.eager_fallback_count == (1 if k >= 2 else 0)
+    assert backend.compile_count == 1

@@ -3,6 +3,7 @@ placing an input once, the deferred divergence check. Values, never timings."""
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from typing import Any, NamedTuple
 
@@ -474,6 +475,13 @@ def test_later_calls_are_direct_and_place_nothing(n: int, monkeypatch: pytest.Mo
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(jax, name, counting)
+    original_global = _spmd._global_array
+
+    def counting_global(*args: Any) -> Any:
+        placed.append(args)
+        return original_global(*args)
+
+    monkeypatch.setattr(_spmd, "_global_array", counting_global)
     for _ in range(3):
         out = strategy.run(replica_sum, (x,))
         assert [c.tolist() for c in strategy.experimental_local_results(out)] == expected
@@ -498,14 +506,20 @@ def test_parameters_passed_in_and_returned(n: int, monkeypatch: pytest.MonkeyPat
     expected = np.ones(3)
     assembled: list[Any] = []
     make_array = jax.make_array_from_single_device_arrays
+    global_array = _spmd._global_array
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         assembled.append(args)
         return make_array(*args, **kwargs)
 
+    def counting_global(*args: Any) -> Any:
+        assembled.append(args)
+        return global_array(*args)
+
     for k in range(4):
         if k == 2:  # the outputs passed back in are the program's own output arrays
             monkeypatch.setattr(jax, "make_array_from_single_device_arrays", counting)
+            monkeypatch.setattr(_spmd, "_global_array", counting_global)
         w, loss = strategy.run(step, (w, x))
         grad = np.arange(3.0) * expected
         expected = expected - 0.5 * grad
@@ -627,3 +641,186 @@ def test_a_direct_call_inside_jax_jit_joins_its_trace() -> None:
         return strategy.run(double, (x,)) + y
 
     assert outer(jnp.ones(3)).tolist() == [1.0, 3.0, 5.0]
+
+
+def count_splits(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The deferred results whose components were made (`_spmd._Result.components`)."""
+    made: list[Any] = []
+    original = _spmd._Result.components
+
+    def counting(self: Any) -> Any:
+        made.append(self)
+        return original(self)
+
+    monkeypatch.setattr(_spmd._Result, "components", counting)
+    return made
+
+
+def test_results_passed_back_in_are_never_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The getting-started idiom at several devices: a direct call's results stay one
+    # global array each (a deferred PerReplica); the next step takes that array whole.
+    strategy, backend = make()
+
+    def step(w: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        grad = ctx.all_reduce("MEAN", x * w)
+        return w - 0.5 * grad, jnp.sum(grad)
+
+    w = replicate(strategy, jnp.ones(3))
+    x = on_devices([jnp.arange(3.0) + r for r in range(N)], jax.devices()[:N])
+    w, loss = strategy.run(step, (w, x))
+    w, loss = strategy.run(step, (w, x))  # the checked first replay
+    made = count_splits(monkeypatch)
+    assembled: list[Any] = []
+    make_array = jax.make_array_from_single_device_arrays
+    monkeypatch.setattr(
+        jax,
+        "make_array_from_single_device_arrays",
+        lambda *a, **k: assembled.append(a) or make_array(*a, **k),
+    )
+    for _ in range(3):
+        w, loss = strategy.run(step, (w, x))
+        assert type(w) is pd.PerReplica and type(loss) is pd.PerReplica
+    assert made == [] and assembled == []  # nothing split, nothing joined again
+    # Read, they are each replica's arrays, on its device, rank 0 where returned so.
+    expected = np.ones(3)
+    for _ in range(5):
+        grad = np.mean([(np.arange(3.0) + r) * expected for r in range(N)], axis=0)
+        expected = expected - 0.5 * grad
+    parts = strategy.experimental_local_results(w)
+    assert [str(p.device) for p in parts] == [str(d) for d in jax.devices()[:N]]
+    for p in parts:
+        np.testing.assert_allclose(np.asarray(p), expected, rtol=1e-6)
+    losses = loss.values
+    assert all(np.shape(p) == () for p in losses)
+    assert [str(p.device) for p in losses] == [str(d) for d in jax.devices()[:N]]
+    assert len(made) == 2 and backend.compile_count == 1
+    # A result read per replica is still passed back whole.
+    w, loss = strategy.run(step, (w, x))
+    assert len(made) == 2 and assembled == []
+
+
+def test_a_deferred_result_pickles_and_crosses_strategies() -> None:
+    strategy, _ = make()
+    x = on_devices([jnp.full(2, float(r)) for r in range(N)], jax.devices()[:N])
+    for _ in range(3):
+        out = strategy.run(triple, (x,))
+    assert _spmd.component_source(out) is not None  # a direct call's result
+    restored = pickle.loads(pickle.dumps(out))
+    assert [c.tolist() for c in restored.values] == [[3.0 * r] * 2 for r in range(N)]
+    # Into a strategy on other devices: read per replica and placed there.
+    other = pd.MirroredStrategy([f"/cpu:{d}" for d in (4, 5, 6, 7)], backend=JaxBackend())
+    moved = other.run(plus_one, (out,))
+    assert [c.tolist() for c in moved.values] == [[3.0 * r + 1] * 2 for r in range(N)]
+    assert [str(c.device) for c in moved.values] == [str(d) for d in jax.devices()[4:8]]
+
+
+def test_shards_are_jax_own_per_device_arrays_in_replica_order() -> None:
+    mesh = _spmd._Mesh.build(tuple(f"/cpu:{d}" for d in (3, 1, 2, 0)))  # not JAX's order
+    rows = jnp.arange(8.0).reshape(4, 2)
+    array = jax.device_put(rows, mesh.split)
+    for _ in range(2):  # the order found once, then read from the cache
+        parts = _spmd._shards(array, mesh)
+        assert [str(p.device) for p in parts] == [str(d) for d in mesh.devices]
+        assert [p.tolist() for p in parts] == rows[:, None].tolist()
+        by_device = {s.device: s.data for s in array.addressable_shards}
+        assert all(p is by_device[d] for p, d in zip(parts, mesh.devices, strict=True))
+    replicated = jax.device_put(jnp.ones(2), mesh.replicated)
+    for _ in range(2):
+        copies = _spmd._shards(replicated, mesh)
+        assert [str(p.device) for p in copies] == [str(d) for d in mesh.devices]
+        by_device = {s.device: s.data for s in replicated.addressable_shards}
+        assert all(p is by_device[d] for p, d in zip(copies, mesh.devices, strict=True))
+    array.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        _spmd._shards(array, mesh)
+
+
+def count_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The variable copies split out of a program's output (`_spmd._Stored.component`)."""
+    made: list[int] = []
+    original = _spmd._Stored.component
+
+    def counting(self: Any, index: int) -> Any:
+        made.append(index)
+        return original(self, index)
+
+    monkeypatch.setattr(_spmd._Stored, "component", counting)
+    return made
+
+
+@pytest.mark.parametrize("shape", [(3,), ()], ids=["vector", "rank0"])
+def test_variable_copies_stay_whole_until_read(
+    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strategy, backend = make()
+    with strategy.scope():
+        v = pd.Variable(np.zeros(shape, np.float32), aggregation=pd.VariableAggregation.MEAN)
+
+    def step(x: Any) -> Any:
+        v.assign_add(jnp.reshape(x, shape) if shape else jnp.sum(x))
+        return jnp.sum(x)
+
+    x = on_devices([jnp.full(3, float(r)) for r in range(N)], jax.devices()[:N])
+    for _ in range(2):
+        strategy.run(step, (x,))
+    made = count_copies(monkeypatch)
+    before = cached_input(backend, v)
+    for _ in range(3):
+        strategy.run(step, (x,))
+    assert made == []  # five steps, no copy split out
+    assert before.is_deleted()  # and the copies were donated each step
+    mean = sum(range(N)) / N * (1 if shape else 3)
+    assert v.numpy().tolist() == np.full(shape, 5 * mean).tolist()
+    assert made == [0]  # replica 0's copy only
+    parts = [c.value() for c in v.values]
+    assert made == [0, 1, 2, 3]
+    assert [p.shape for p in parts] == [shape] * N
+    assert [str(p.device) for p in parts] == [str(d) for d in jax.devices()[:N]]
+    # A copy a user holds is not donated (copied first); the rest still are.
+    held = parts[2]
+    del parts
+    strategy.run(step, (x,))
+    assert not held.is_deleted() and held.tolist() == np.full(shape, 5 * mean).tolist()
+    assert [c.numpy().tolist() for c in v.values] == [np.full(shape, 6 * mean).tolist()] * N
+    assert backend.compile_count == 1
+
+
+def test_deferred_copies_read_first_inside_a_trace_are_concrete() -> None:
+    # A rank-0 copy is split out with a (jitted) reshape: read first while another
+    # function is traced, it must still be a concrete array, not that trace's value.
+    strategy, _ = make()
+    with strategy.scope():
+        v = pd.Variable(0.0, aggregation=pd.VariableAggregation.MEAN)
+    for _ in range(2):
+        strategy.run(lambda: v.assign_add(1.0))
+
+    def reads() -> Any:
+        assert v.shape == ()  # the copy made here, inside this function's trace
+        return v.value() * 2
+
+    out = strategy.run(reads)
+    assert [float(c) for c in out.values] == [4.0] * N
+    assert all(not _spmd.is_tracer(a) for a in storage_arrays(v))
+    assert v.numpy() == 2.0
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["in_order", "reversed"])
+def test_global_arrays_and_their_shards_are_jax_s_own(reverse: bool) -> None:
+    # `_global_array` builds what jax.make_array_from_single_device_arrays builds, and
+    # `_shards` hands each replica its own block, whatever the mesh's device order.
+    devices = jax.devices()[:N][:: -1 if reverse else 1]
+    mesh = _spmd._Mesh.of(tuple(devices))
+    blocks = [jax.device_put(jnp.full((2,), float(r)), d) for r, d in enumerate(devices)]
+    want = jax.make_array_from_single_device_arrays((2 * N,), mesh.split, blocks)
+    for _ in range(2):  # the second time from the cached abstract value and order
+        got = mesh.assemble(blocks)
+        assert got.sharding == want.sharding and got.aval == want.aval
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        parts = _spmd._shards(got, mesh)
+        assert [p.tolist() for p in parts] == [[float(r)] * 2 for r in range(N)]
+        assert [p.devices() for p in parts] == [{d} for d in devices]
+    keys = [jax.device_put(jax.random.key(r)[None], d) for r, d in enumerate(devices)]
+    joined = mesh.assemble(keys)  # an extended dtype: JAX's own function builds it
+    assert joined.shape == (N,) and jax.dtypes.issubdtype(joined.dtype, jax.dtypes.extended)

@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import jax.numpy as jnp
 from jax import lax
@@ -53,7 +53,12 @@ from polydist import Variable
 from polydist.backend import nest as _nest
 from polydist.backend import tracing as _tracing
 from polydist.backend.context import container_strategy
-from polydist.backend.tracing import storage_arrays, swap_storage, tracked_variables
+from polydist.backend.tracing import (
+    deferred_storage,
+    storage_arrays,
+    swap_storage,
+    tracked_variables,
+)
 from polydist.backend.values import DistributedVariable, variable_backend
 from polydist_jax._lazy import AXIS, LazyPerReplica, is_tracer, is_varying, varies_locally, vary
 
@@ -461,15 +466,19 @@ class InputCache:
     """
 
     def __init__(self) -> None:
-        self._cache: weakref.WeakKeyDictionary[
-            Variable, tuple[tuple[Any, ...], Any, tuple[int, ...] | None]
-        ] = weakref.WeakKeyDictionary()
+        # var -> (its copies, global array, their references when stored or None), or
+        # (DeferredCopies, global array, _DEFERRED).
+        self._cache: weakref.WeakKeyDictionary[Variable, tuple[Any, Any, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def get(self, var: Variable, arrays: Sequence[Any]) -> Any:
         hit = self._cache.get(var)
         if hit is None:
             return None
-        held, global_array, _ = hit
+        held, global_array, baseline = hit
+        if baseline is _DEFERRED:
+            return global_array if _deferred_copies(var, held) is not None else None
         if len(held) != len(arrays) or any(a is not b for a, b in zip(held, arrays, strict=True)):
             return None
         return global_array
@@ -477,31 +486,66 @@ class InputCache:
     def put(self, var: Variable, arrays: Sequence[Any], global_array: Any) -> None:
         self._cache[var] = (tuple(arrays), global_array, None)
 
+    def put_deferred(self, var: Variable, source: DeferredCopies, global_array: Any) -> None:
+        """Records ``global_array`` as ``var``'s input while its copies are still
+        ``source``'s (`polydist.backend.tracing.defer_storage`)."""
+        self._cache[var] = (source, global_array, _DEFERRED)
+
+    def deferred(self, var: Variable) -> tuple[Any, Any] | None:
+        """``(global array, a copy's (shape, dtype))`` while ``var``'s copies are still
+        the deferred ones recorded (read or not), else None."""
+        hit = self._cache.get(var)
+        if hit is None or hit[2] is not _DEFERRED:
+            return None
+        source = hit[0]
+        if _deferred_copies(var, source) is None:
+            return None
+        return hit[1], source.aval
+
     def seal(self, var: Variable) -> None:
         """Records the references ``var``'s copies have now, as the ones of a copy only
         the runner holds: call it right after storing a program's fresh outputs, once
         the caller's own references to them are gone."""
         hit = self._cache.get(var)
-        if hit is not None:
-            self._cache[var] = (hit[0], hit[1], _refcounts(storage_arrays(var)))
+        if hit is not None and hit[2] is not _DEFERRED:
+            # The copies ``put`` just recorded (a new list: counted as `exclusive` counts).
+            self._cache[var] = (hit[0], hit[1], _refcounts(list(hit[0])))
 
     def exclusive(self, var: Variable) -> bool:
         """Whether only the variable and this cache hold ``var``'s stored copies (no
         array a user took from it, no other variable storing the same array)."""
+        return self.lookup(var)[1]
+
+    def lookup(self, var: Variable) -> tuple[Any, bool]:
+        """``get`` with ``var``'s stored copies and whether they are `exclusive`, from
+        one read of them (the direct path asks both each step)."""
         hit = self._cache.get(var)
         if hit is None:
-            return False
-        held, _, baseline = hit
+            return None, False
+        held, global_array, baseline = hit
+        if baseline is _DEFERRED:
+            if not held.read:  # no copy split out yet: none can be held elsewhere
+                return global_array, deferred_storage(var, held) is not None
+            copies = _deferred_copies(var, held)
+            if copies is None:
+                return None, False  # written since
+            # A copy never read exists only inside the output array; one read since is
+            # ours while it has the references it had when read (`DeferredCopies`).
+            counts = _refcounts(copies)
+            expected = held.expected
+            return global_array, all(
+                a is None or c <= e for a, c, e in zip(copies, counts, expected, strict=True)
+            )
         arrays = storage_arrays(var)
         if len(held) != len(arrays) or any(a is not b for a, b in zip(held, arrays, strict=True)):
-            return False
+            return None, False
         counts = _refcounts(arrays)
         if baseline is None:
             # Stored by someone else (creation, an assign outside run): each copy held by
             # its component, this cache's key and ``arrays`` only. A copy stored by
             # several components counts once per component: more than expected, not ours.
-            return all(c <= _ALONE + 2 for c in counts)
-        return all(c <= b for c, b in zip(counts, baseline, strict=True))
+            return global_array, all(c <= _ALONE + 2 for c in counts)
+        return global_array, all(c <= b for c, b in zip(counts, baseline, strict=True))
 
     def clear(self) -> None:
         self._cache.clear()
@@ -509,6 +553,52 @@ class InputCache:
 
 def _refcounts(arrays: list[Any]) -> tuple[int, ...]:
     return tuple(sys.getrefcount(a) for a in arrays)
+
+
+#: An `InputCache` entry whose copies are deferred (`put_deferred`).
+_DEFERRED: Any = object()
+
+
+def _deferred_copies(var: Variable, source: DeferredCopies) -> list[Any] | None:
+    """``var``'s copies while they are ``source``'s (None: a copy not read yet), else
+    None. Also after a trace swapped them out and back (which forgets the deferral):
+    then each is the very copy ``source`` made."""
+    copies = deferred_storage(var, source)
+    if copies is not None:
+        return copies
+    made = source.copies
+    if any(m is None for m in made):
+        return None  # not every copy was read: the trace swapped others in
+    arrays = storage_arrays(var)
+    if len(arrays) != len(made) or any(a is not m for a, m in zip(arrays, made, strict=False)):
+        return None
+    return arrays
+
+
+class DeferredCopies(Protocol):
+    """A variable's deferred copies as `InputCache` needs them (``_spmd._Stored``)."""
+
+    @property
+    def aval(self) -> Any:
+        """A copy's ``(shape, (dtype, weak_type))``."""
+        ...
+
+    @property
+    def expected(self) -> list[int]:
+        """Per copy read so far, its `_refcounts` when it was read (its own only)."""
+        ...
+
+    @property
+    def read(self) -> bool:
+        """Whether any copy was read (made) yet."""
+        ...
+
+    @property
+    def copies(self) -> list[Any]:
+        """Per copy: the array made when it was read, else None."""
+        ...
+
+    def component(self, index: int) -> Any: ...
 
 
 #: What `_refcounts` gives for an object held by its list alone.

@@ -55,11 +55,13 @@ from polydist.backend import context as _context
 from polydist.backend import nest as _nest
 from polydist.backend import tracing as _trace
 from polydist.backend.arrays import convert_to_array, describe, dtype_name
-from polydist.backend.tracing import storage_arrays, swap_storage, tracking_state
+from polydist.backend.tracing import defer_storage, storage_arrays, swap_storage, tracking_state
 from polydist.backend.values import (
     DistributedValues,
     DistributedVariable,
     PerReplica,
+    component_source,
+    deferred,
     regroup,
     value_container,
 )
@@ -114,6 +116,43 @@ class Uneven(Exception):
 
 # --------------------------------------------------------------------------- the mesh
 
+_ArrayImpl: Any = None
+try:  # what jax.make_array_from_single_device_arrays builds, for `_global_array`
+    from jax._src.array import ArrayImpl as _ArrayImpl
+    from jax._src.core import ShapedArray as _ShapedArray
+    from jax._src.core import update_aval_with_sharding as _with_sharding
+except ImportError:  # another JAX: the public function each time
+    _ArrayImpl = None
+
+# (shape, dtype, sharding) -> the abstract value of such a global array (None: a dtype
+# that JAX's own function handles its own way).
+_AVALS: dict[tuple[Any, ...], Any] = {}
+_AVALS_LIMIT = 1024
+
+
+def _global_array(shape: tuple[int, ...], sharding: Any, arrays: list[Any]) -> Any:
+    """``jax.make_array_from_single_device_arrays(shape, sharding, arrays)``, checked as
+    it checks them, with the abstract value made once per shape, dtype and sharding:
+    that made up four fifths of its time (about 25 us of 30 on CPU), paid per input
+    per step across processes."""
+    if _ArrayImpl is None:
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    dtype = arrays[0].dtype
+    key = (shape, dtype, sharding)
+    aval = _AVALS.get(key, False)
+    if aval is False:
+        if len(_AVALS) >= _AVALS_LIMIT:
+            _AVALS.clear()
+        extended = jnp.issubdtype(dtype, jax.dtypes.extended)
+        aval = _AVALS[key] = (
+            None
+            if extended
+            else _with_sharding(_ShapedArray(shape, dtype, weak_type=False), sharding)
+        )
+    if aval is None:
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    return _ArrayImpl(aval, sharding, arrays, committed=True)
+
 
 @dataclass(frozen=True)
 class _Mesh:
@@ -133,6 +172,11 @@ class _Mesh:
     # (WORKERS, AXIS), worker-major, so the linear index is the global replica id.
     axes: tuple[str, ...] = (AXIS,)
     size: int = 0  # every process's replicas; 0: this process's are all
+    # Per output sharding: where each replica's array is among an array's addressable
+    # ones (None: fully replicated), so `_shards` reads them without Shard objects.
+    orders: dict[Any, tuple[int, ...] | None] = field(
+        default_factory=dict, compare=False, hash=False
+    )
 
     # Cached: read several times per step.
     @functools.cached_property
@@ -200,7 +244,7 @@ class _Mesh:
         process's replicas' blocks, in order; no copy)."""
         block = blocks[0].shape
         shape = (block[0] * self.replicas, *block[1:])
-        return jax.make_array_from_single_device_arrays(shape, self.split, list(blocks))
+        return _global_array(shape, self.split, list(blocks))
 
     def replicate(self, value: Any) -> Any:
         """``value`` as a replicated input: a copy on each replica's device (across
@@ -224,9 +268,7 @@ class _Mesh:
             else jax.device_put(value, d)
             for d, single in zip(self.devices, self.single, strict=True)
         ]
-        return jax.make_array_from_single_device_arrays(
-            tuple(np.shape(value)), self.replicated, copies
-        )
+        return _global_array(tuple(np.shape(value)), self.replicated, copies)
 
 
 # --------------------------------------------------------------------------- signatures
@@ -559,6 +601,10 @@ class _Call(threading.local):
     def __init__(self) -> None:
         self.variables: list[Variable] = []
         self.check = True  # whether the call hashes its NONE variables (`_checks`)
+        # (fn, why): a direct call across processes whose agreement found the processes
+        # at other programs; core's usual path then runs it (`run` raises `Uneven` at
+        # once: the agreement of this call is done, the others run it eagerly now).
+        self.uneven: tuple[Callable[..., Any], str] | None = None
 
 
 _call = _Call()
@@ -896,6 +942,9 @@ class CompiledRunner:
         self._plans: weakref.WeakKeyDictionary[
             StrategyExtended, collections.OrderedDict[Any, _Plan]
         ] = weakref.WeakKeyDictionary()
+        # The last strategy `run_direct` looked up, and its plans (a weak-key lookup
+        # costs a weak reference each call).
+        self._last_plans: tuple[weakref.ref[Any], collections.OrderedDict[Any, _Plan]] | None = None
         # id(shared input) -> (its weak reference, mesh, its replicated copy or None: itself)
         self._placed: dict[int, tuple[weakref.ref[Any], _Mesh, Any]] = {}
 
@@ -909,6 +958,7 @@ class CompiledRunner:
         with self._lock:
             self._programs.clear()
             self._plans.clear()
+            self._last_plans = None
         self._variable_inputs.clear()
 
     def _mesh(self, devices: tuple[str, ...]) -> _Mesh:
@@ -925,6 +975,11 @@ class CompiledRunner:
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
         """Raises :class:`Uneven` (before running anything) if the inputs need eager mode."""
+        uneven = _call.uneven
+        if uneven is not None:
+            _call.uneven = None
+            if uneven[0] == fn:  # `run_direct` agreed on this call already: eager now
+                raise Uneven(uneven[1])
         group = self._group() if self._group is not None else None
         if group is None:
             prepared = self._prepare(replicas, fn, per_replica_args)
@@ -970,7 +1025,7 @@ class CompiledRunner:
             if not all(getattr(v, "_divergence_warned", False) for v in dirty):
                 # A program's first calls are checked at once; later ones without
                 # waiting for the step (`_DivergenceChecks`).
-                arrays = [self._variable_inputs.get(v, storage_arrays(v)) for v in dirty]
+                arrays = [self._variable_inputs.lookup(v)[0] for v in dirty]
                 found = self._fingerprints(mesh, arrays)
                 self._divergence.add(dirty, found, mesh, wait=first_calls)
         return self._results(program, columns, split, replicated, mesh, traced, variables)
@@ -995,17 +1050,31 @@ class CompiledRunner:
         their replicas' devices is assembled (found by identity when it is one global
         array's, `_input.joined`). Anything else, and every check `_reuse` makes (the
         variables, fn's closure, x64 mode, variables tracked since), declines.
+
+        Across processes the call runs the program compiled behind its agreement
+        (`ProcessGroup.execute`), which every call carries, direct or not. Where the
+        processes disagree, it declines after all, and `run` raises `Uneven` at once
+        (without agreeing again): every process then runs that call eagerly.
         """
-        if self._group is not None:
-            return NOT_HANDLED  # across processes every call agrees first (`run`)
+        _call.uneven = None
+        group = self._group() if self._group is not None else None
         strategy = replicas.strategy
-        plans = self._plans.get(strategy.extended) if strategy is not None else None
+        if strategy is None:
+            return NOT_HANDLED
+        extended = strategy.extended
+        last = self._last_plans
+        if last is not None and last[0]() is extended:
+            plans: collections.OrderedDict[Any, _Plan] | None = last[1]
+        else:
+            plans = self._plans.get(extended)
+            if plans is not None:
+                self._last_plans = (weakref.ref(extended), plans)
         plan = plans.get(fn) if plans is not None else None
         if plan is None or not plan.direct:
             return NOT_HANDLED
         program = plan.program
         if (
-            program.local is None
+            (program.local is None if group is None else program.executable is None)
             or program.created
             or plan.state.version != plan.version
             or plan.x64 != x64_enabled()
@@ -1034,19 +1103,21 @@ class CompiledRunner:
         cache = self._variable_inputs
         if plan.variables:
             var_inputs: list[Any] = []
+            alone: list[bool] = []
             for ref in plan.variables:
                 var = ref()
                 if var is None:
                     return NOT_HANDLED
-                cached = cache.get(var, storage_arrays(var))
+                cached, only_ours = cache.lookup(var)
                 if cached is None:
                     return NOT_HANDLED  # written from outside: `run` assembles it again
                 variables.append(var)
                 var_inputs.append(cached)
+                alone.append(only_ours)
             inputs = _ordered(var_inputs, plan.inputs)
             offset = _variables_offset(len(inputs), len(variables))
             for i in program.donated:
-                if not cache.exclusive(variables[i - offset]):
+                if not alone[i - offset]:
                     inputs[i] = _copy(inputs[i])
         else:
             inputs = _ordered([], plan.inputs)
@@ -1054,18 +1125,30 @@ class CompiledRunner:
         first_calls = program.calls < CHECK_AT_ONCE
         program.calls += 1
         self._divergence.poll()
-        flat_out = program.local(*inputs)
-        a, b, c, _ = program.counts
-        split, replicated, updated = flat_out[:a], flat_out[a : a + b], flat_out[a + b : a + b + c]
-        tracing = bool(flat_out) and is_tracer(flat_out[0])  # inside an outer trace
-        if not tracing and mesh.throttled:
-            self._throttle(mesh, (split, replicated, updated, flat_out[a + b + c :]))
+        if group is None:
+            flat_out = program.local(*inputs)
+            a, b, c, _ = program.counts
+            split = flat_out[:a]
+            replicated, updated = flat_out[a : a + b], flat_out[a + b : a + b + c]
+            tracing = bool(flat_out) and is_tracer(flat_out[0])  # inside an outer trace
+            if not tracing and mesh.throttled:
+                self._throttle(mesh, (split, replicated, updated, flat_out[a + b + c :]))
+        else:
+            # Across processes: the compiled step with its agreement (`ProcessGroup`),
+            # as `run` runs it.
+            assert program.signature is not None, "set with the executable"
+            why, outputs = group.execute(program.signature, mesh, program.executable, inputs)
+            if why is not None:
+                _call.uneven = (fn, why)
+                return NOT_HANDLED
+            split, replicated, updated, _ = outputs
+            tracing = False
         if updated:
             self._write_back(program, variables, updated, mesh, False)
         if checked:
             dirty = [variables[p] for p in program.dirty]
             if not all(getattr(v, "_divergence_warned", False) for v in dirty):
-                arrays = [cache.get(v, storage_arrays(v)) for v in dirty]
+                arrays = [cache.lookup(v)[0] for v in dirty]
                 found = self._fingerprints(mesh, arrays)
                 self._divergence.add(dirty, found, mesh, wait=first_calls)
         if tracing or not dispatch.checked:
@@ -1093,10 +1176,13 @@ class CompiledRunner:
             # One device: the outputs are single-device arrays, rank 0 as returned.
             split_parts = [[g] for g in split]
             replicated_parts = [[g] for g in replicated]
-        else:
+            return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
+        if len(mesh.devices) == 1:  # one device of a run across processes: its part
             split_parts, replicated_parts = _parts(program, split, replicated, mesh)
             self._remember_outputs(plan, program, split, split_parts)
-        return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
+            return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
+        plan.recent = {}  # results are whole (`_Result`): found by their source
+        return _deferred_result(program, dispatch, split, replicated, mesh, variables, flat)
 
     @staticmethod
     def _remember_outputs(
@@ -1195,6 +1281,17 @@ class CompiledRunner:
             else:
                 if not isinstance(x, DistributedValues) or x._select_whole:
                     return False
+                source = component_source(x)
+                if source is not None:
+                    if source is dispatch.held[i]:
+                        continue
+                    if type(source) is _Result:
+                        placed = source.input_for(mesh, dispatch.avals[i])
+                        if placed is not None:  # a result of an earlier call, whole
+                            refs[i] = [_UNKNOWN] * n
+                            dispatch.held[i] = source
+                            plan.inputs[slots[i]] = placed  # type: ignore[index]
+                            continue
                 values = x._values
                 if values is dispatch.held[i]:
                     continue
@@ -1529,6 +1626,11 @@ class CompiledRunner:
         keys: list[Any] = []
         units: list[tuple[int, Variable, list[Any]]] = []
         for var in variables:
+            whole = self._variable_inputs.deferred(var)
+            if whole is not None:  # a direct call's copies, still whole
+                keys.append((id(var), True, *whole[1]))
+                inputs.append(whole[0])
+                continue
             arrays = storage_arrays(var)
             distributed = isinstance(var, DistributedVariable)
             shape, dtype = _aval(arrays[0])
@@ -1587,6 +1689,19 @@ class CompiledRunner:
     def _store(
         self, program: _Program, variables: list[Variable], updated: list[Any], mesh: _Mesh
     ) -> None:
+        n = len(mesh.devices)
+        if n > 1 and all(
+            isinstance(variables[p], DistributedVariable) and len(variables[p].values) == n
+            for p, _ in program.updates
+        ):
+            # Several devices: each variable's new copies stay the program's output array
+            # (the next call's input as it is), a copy split out only when read.
+            for (position, scalar), global_array in zip(program.updates, updated, strict=True):
+                var = variables[position]
+                source = _Stored(global_array, mesh, scalar)
+                defer_storage(var, source)
+                self._variable_inputs.put_deferred(var, source, global_array)
+            return
         if mesh.single_device:
             # The variable's own array object, not the program's output (the next input):
             # `InputCache.exclusive` counts who else holds the stored copy.
@@ -2182,6 +2297,45 @@ def _direct_result(
     return _nest.unflatten(program.out_spec, leaves)
 
 
+def _deferred_result(
+    program: _Program,
+    dispatch: _Dispatch,
+    split: Sequence[Any],
+    replicated: Sequence[Any],
+    mesh: _Mesh,
+    variables: list[Variable],
+    flat: Sequence[Any],
+) -> Any:
+    """`_direct_result` with each per-replica result a `deferred` ``PerReplica`` of its
+    global array (`_Result`): not split per replica unless read."""
+    scalars = program.scalars
+    if scalars is None:
+        scalars = program.scalars = [
+            o.index for o in program.outputs if o.kind == "split" and o.scalar
+        ]
+    leaves: list[Any] = []
+    for how, index, obj in dispatch.outputs:
+        if how == _R_PARTS:
+            is_split = obj == "split"
+            array = (split if is_split else replicated)[index]
+            scalar = is_split and index in scalars
+            leaves.append(deferred(PerReplica, _Result(array, mesh, scalar, is_split)))
+        elif how == _R_FIRST:
+            parts = _shards((split if obj == "split" else replicated)[index], mesh)
+            if obj == "split" and index in scalars:
+                parts = [_to_scalar(parts[0])[0]]
+            leaves.append(parts[0])
+        elif how == _R_OBJECT:
+            leaves.append(obj)
+        elif how == _R_VARIABLE:
+            leaves.append(variables[index])
+        else:
+            leaves.append(flat[index])
+    if dispatch.leaf:
+        return leaves[0]
+    return _nest.unflatten(program.out_spec, leaves)
+
+
 def _copy(x: Any) -> Any:
     """A copy of ``x`` with its sharding (a new buffer, safe to donate)."""
     return jnp.array(x, copy=True)
@@ -2195,10 +2349,123 @@ def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
         if sharding is mesh.single[0] or sharding == mesh.replicated:
             return [global_array]
         return [global_array.addressable_data(0)]
+    sharding = global_array.sharding
+    orders = mesh.orders
+    try:
+        order = orders[sharding]
+    except KeyError:
+        order = None
+        if len(orders) < 64:
+            devices = [shard.device for shard in global_array.addressable_shards]
+            if sorted(mesh.index[d] for d in devices) == list(range(len(mesh.devices))):
+                position = {d: p for p, d in enumerate(devices)}
+                order = tuple(position[d] for d in mesh.devices)
+            orders[sharding] = order
+    if order is not None:
+        # The p-th addressable array, JAX's own object, no Shard built: ``_arrays`` is the
+        # list `addressable_data(p)` indexes (read once here, not through 4 calls per
+        # array, which a step with several devices and outputs notices).
+        arrays = None if global_array.is_deleted() else getattr(global_array, "_arrays", None)
+        if type(arrays) is list and len(arrays) == len(order):
+            return [arrays[p] for p in order]
+        if not sharding.is_fully_replicated:  # (else addressable_data gives the first)
+            data = global_array.addressable_data
+            return [data(p) for p in order]
     parts: list[Any] = [None] * len(mesh.devices)
     for shard in global_array.addressable_shards:
         parts[mesh.index[shard.device]] = shard.data
     return parts
+
+
+class _Result:
+    """A direct call's per-replica result, kept whole (a `deferred` ``PerReplica``'s
+    source): split into each replica's array only when something reads its
+    components, and passed back into a later call as the global array it is."""
+
+    __slots__ = ("array", "mesh", "scalar", "split")
+
+    def __init__(self, array: Any, mesh: _Mesh, scalar: bool, split: bool) -> None:
+        self.array = array
+        self.mesh = mesh
+        self.scalar = scalar  # each replica's value is rank 0 (the array is [n])
+        self.split = split  # split over the replicas (else replicated on each)
+
+    def components(self) -> list[Any]:
+        parts = _shards(self.array, self.mesh)
+        if self.scalar:
+            with jax.ensure_compile_time_eval():  # concrete, even when read inside a trace
+                parts = [_to_scalar(p)[0] for p in parts]
+        return parts
+
+    def input_for(self, mesh: _Mesh, aval: Any) -> Any:
+        """The program input this result is for a per-replica leaf of block ``aval`` on
+        ``mesh`` (itself, when split the same way), else None."""
+        if not self.split or self.scalar or mesh is not self.mesh or not aval[0]:
+            return None
+        shape, dtype = _aval(self.array)
+        n = mesh.replicas  # every process's: the array is global
+        if dtype != aval[1] or not shape or shape[0] != n * aval[0][0] or shape[1:] != aval[0][1:]:
+            return None
+        return self.array
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its components (a mesh is this process's).
+        return (_Components, (tuple(self.components()),))
+
+    def __repr__(self) -> str:
+        return f"_Result({describe(self.array)}, {len(self.mesh.devices)} replicas)"
+
+
+class _Stored:
+    """A variable's new copies, kept whole (`polydist.backend.tracing.defer_storage`):
+    the program's output array, which the next call takes as it is; replica ``r``'s
+    copy is split out (rank 0 for a rank-0 variable) when something reads it."""
+
+    __slots__ = ("array", "aval", "copies", "expected", "mesh", "parts", "read", "scalar")
+
+    def __init__(self, array: Any, mesh: _Mesh, scalar: bool) -> None:
+        self.array = array
+        self.mesh = mesh
+        self.scalar = scalar
+        self.parts: list[Any] | None = None
+        n = len(mesh.devices)
+        shape, dtype = _aval(array)
+        block = (shape[0] // mesh.replicas, *shape[1:])  # the array spans every process
+        self.aval = ((), dtype) if scalar else (block, dtype)
+        self.expected = [0] * n
+        self.copies: list[Any] = [None] * n
+        self.read = False
+
+    def component(self, index: int) -> Any:
+        self.read = True
+        parts = self.parts
+        if parts is None:
+            parts = self.parts = _shards(self.array, self.mesh)
+        if self.scalar:
+            with jax.ensure_compile_time_eval():  # concrete, even when read inside a trace
+                value = _to_scalar(parts[index])[0]
+        else:
+            value = parts[index]
+        self.copies[index] = value
+        # Its references now, counted as `InputCache.lookup` counts them later: then the
+        # component holds it where ``value`` does now; any more is someone else's.
+        self.expected[index] = _functional._refcounts([value])[0]
+        return value
+
+    def __repr__(self) -> str:
+        return f"_Stored({describe(self.array)}, {len(self.mesh.devices)} replicas)"
+
+
+class _Components:
+    """A `deferred` value's components, made already (an unpickled `_Result`)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: tuple[Any, ...]) -> None:
+        self.parts = parts
+
+    def components(self) -> tuple[Any, ...]:
+        return self.parts
 
 
 def _slices(global_array: Any, n: int, scalar: bool) -> list[Any]:

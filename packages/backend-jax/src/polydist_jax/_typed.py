@@ -21,4 +21,4 @@ def pspec(*axes: str | tuple[str, ...]) -> PartitionSpec:
 
 def x64_enabled() -> bool:
     """JAX's x64 mode, now (it changes dtypes, so it is part of a program's signature)."""
-    return bool(jax.config.read("jax_enable_x64"))  # type: ignore[no-untyped-call]
+    return bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -77,10 +77,27 @@ class _ExtendedState:
 _STATES: weakref.WeakKeyDictionary[Any, _ExtendedState] = weakref.WeakKeyDictionary()
 
 
+# The last strategy `existing_state` found, and its state: each `strategy.run` asks, and
+# a weak-key lookup costs a weak reference per call.
+_LAST: tuple[weakref.ref[Any], _ExtendedState] | None = None
+
+
 def _state(extended: StrategyExtended) -> _ExtendedState:
     state = _STATES.get(extended)
     if state is None:
         state = _STATES[extended] = _ExtendedState()
+    return state
+
+
+def existing_state(extended: StrategyExtended) -> _ExtendedState | None:
+    """``extended``'s bookkeeping if it has any yet (nothing is created)."""
+    global _LAST
+    last = _LAST
+    if last is not None and last[0]() is extended:
+        return last[1]
+    state = _STATES.get(extended)
+    if state is not None:
+        _LAST = (weakref.ref(extended), state)
     return state
 
 
@@ -127,6 +144,44 @@ def swap_storage(variable: Variable, arrays: Sequence[Any]) -> list[Any]:
     for c, a in zip(components, arrays):
         c._replace_storage(a)
     return old
+
+
+class StorageSource(Protocol):
+    """Where the stored arrays of a variable's components come from until first read
+    (:func:`defer_storage`)."""
+
+    def component(self, index: int) -> Any:
+        """Component ``index``'s stored array (asked at most once per component)."""
+        ...
+
+
+def defer_storage(variable: Variable, source: StorageSource) -> None:
+    """Makes ``source`` the storage of each of ``variable``'s components: component
+    ``r`` stores ``source.component(r)`` the first time its array is read, and keeps it
+    until a write replaces it. A compiled backend's new copies, when one program
+    output holds them all: none is split out per replica unless read."""
+    for r, c in enumerate(_components(variable)):
+        if c._replica_index != r:
+            raise ValueError(
+                f"defer_storage: component {r} of {variable.name!r} has replica index "
+                f"{c._replica_index}, not {r}."
+            )
+        state = c.__dict__
+        state.pop("_array", None)
+        state["_pending"] = source
+
+
+def deferred_storage(variable: Variable, source: StorageSource) -> list[Any] | None:
+    """None unless every component's storage still comes from ``source`` (no write since
+    :func:`defer_storage`); else each component's array if it was read since, None if
+    not (nothing outside the source holds it yet)."""
+    arrays: list[Any] = []
+    for c in _components(variable):
+        state = c.__dict__
+        if state.get("_pending") is not source:
+            return None
+        arrays.append(state.get("_array"))
+    return arrays
 
 
 def _components(variable: Variable) -> tuple[Variable, ...]:
@@ -358,10 +413,23 @@ class Variable(metaclass=_VariableMeta):
     def _write_storage(self, array: Any) -> None:
         """Stores a new value (through the backend's ``store_variable``, if any)."""
         self._array = _freeze(_stored(self._backend, self._array, array))
+        self.__dict__.pop("_pending", None)
 
     def _replace_storage(self, array: Any) -> None:
         """Puts ``array`` in as the storage, as it is (:func:`swap_storage`)."""
         self._array = _freeze(array)
+        self.__dict__.pop("_pending", None)
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for an attribute not found: the array of a component whose
+        # storage a backend deferred (`defer_storage`), made now and kept.
+        if name == "_array":
+            state = self.__dict__
+            source = state.get("_pending")
+            if source is not None:
+                array = state["_array"] = _freeze(source.component(state["_replica_index"]))
+                return array
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _operand(self) -> Any:
         """The array operators and reads use (context-dependent for distributed variables)."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from polydist._valuetypes import nest as _nest
 
 __all__ = [
+    "ComponentSource",
     "DistributedValues",
     "Mirrored",
     "PerReplica",
@@ -19,6 +20,14 @@ __all__ = [
     "select_replica",
     "value_container",
 ]
+
+
+class ComponentSource(Protocol):
+    """What a deferred distributed value's components come from (``_deferred``)."""
+
+    def components(self) -> Sequence[Any]:
+        """The components, one per local replica, in replica order (called once)."""
+        ...
 
 
 class DistributedValues:
@@ -32,13 +41,39 @@ class DistributedValues:
     # Distributed variables override this: they are handed to replicas whole.
     _select_whole = False
 
-    __slots__ = ("_values",)
+    # ``_source``: where a deferred value's components come from (`deferred`), else None.
+    __slots__ = ("_source", "_values")
 
     def __init__(self, values: Sequence[Any]) -> None:
         values = tuple(values)
         if not values:
             raise ValueError(f"{type(self).__name__} needs at least one component, got none.")
         self._values: tuple[Any, ...] = values
+        self._source: ComponentSource | None = None
+
+    @classmethod
+    def _deferred(cls, source: ComponentSource) -> Any:
+        """A value whose components ``source.components()`` makes on first read (of
+        ``values``, or anything that reads them): a backend's per-replica result that
+        may never be read per replica (passed back into the next ``run`` whole)."""
+        value = cls.__new__(cls)
+        value._source = source
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for an attribute not found: an unset slot of a deferred value
+        # (its components, made now) or of a subclass that skips ``__init__``.
+        if name == "_values":
+            source = self._source
+            if source is not None:
+                values = tuple(source.components())
+                if not values:
+                    raise ValueError(f"{source!r} made no components.")
+                self._values = values
+                return values
+        elif name == "_source":
+            return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def values(self) -> tuple[Any, ...]:

@@ -104,18 +104,21 @@ from polydist.backend._contract import (
 if TYPE_CHECKING:
     from polydist._base.context import ReplicaContext, Strategy, StrategyExtended
 from polydist._valuetypes.base_variable import (
-    _STATES,
     _UPDATE_FNS,
     _initial_array,
     _merge_create,
     _state,
     _track,
     _VariableMethod,
+    existing_state,
 )
+from polydist._valuetypes.base_variable import StorageSource as StorageSource
 from polydist._valuetypes.base_variable import Variable as Variable
 from polydist._valuetypes.base_variable import _assign_fn as _assign_fn
 from polydist._valuetypes.base_variable import _components as _components
 from polydist._valuetypes.base_variable import _read_operand as _read_operand
+from polydist._valuetypes.base_variable import defer_storage as defer_storage
+from polydist._valuetypes.base_variable import deferred_storage as deferred_storage
 from polydist._valuetypes.base_variable import storage_arrays as storage_arrays
 from polydist._valuetypes.base_variable import swap_storage as swap_storage
 from polydist._valuetypes.base_variable import tracked_variables as tracked_variables
@@ -733,7 +736,7 @@ def differing_replicas(var: DistributedVariable) -> list[int]:
 
 def after_run(extended: StrategyExtended) -> None:
     """Called when ``strategy.run`` returns: warns about NONE-aggregated copies that diverged."""
-    state = _STATES.get(extended)
+    state = existing_state(extended)
     if state is None or not state.dirty:
         return
     dirty, state.dirty = state.dirty, {}

@@ -6,7 +6,10 @@ A backend that traces the replica function once for all replicas (``jax.jit`` wi
 * functionalizes variables: reads each variable's stored arrays with
   :func:`storage_arrays`, swaps traced values in with :func:`swap_storage` while it
   traces (and back after), inside :func:`traced_replica_scope`, so a distributed
-  variable in replica context acts as the traced replica's copy;
+  variable in replica context acts as the traced replica's copy; after a run it may
+  :func:`defer_storage` the new copies to the one output that holds them all, so a
+  copy is split out per replica only when read (:func:`deferred_storage` tells it
+  whether the copies are still that output's);
 * records the collectives of the traced program once with
   :func:`capture_collectives` and replays them into the user's traces on every call
   with :func:`record_collective` (when :func:`is_tracing`);
@@ -30,8 +33,11 @@ from polydist._collectives.trace import declare_internal_modules as declare_inte
 from polydist._collectives.trace import is_tracing as is_tracing
 from polydist._collectives.trace import record_collective as record_collective
 from polydist._collectives.trace import user_source_line as user_source_line
+from polydist._valuetypes.variables import StorageSource as StorageSource
 from polydist._valuetypes.variables import components as components
 from polydist._valuetypes.variables import current_update_replica as current_update_replica
+from polydist._valuetypes.variables import defer_storage as defer_storage
+from polydist._valuetypes.variables import deferred_storage as deferred_storage
 from polydist._valuetypes.variables import is_variable_creation as is_variable_creation
 from polydist._valuetypes.variables import note_replica_write as note_replica_write
 from polydist._valuetypes.variables import replica_writes as replica_writes
@@ -43,10 +49,13 @@ from polydist._valuetypes.variables import tracking_state as tracking_state
 
 __all__ = [
     "CollectiveEvent",
+    "StorageSource",
     "Trace",
     "capture_collectives",
     "components",
     "current_update_replica",
+    "defer_storage",
+    "deferred_storage",
     "declare_internal_modules",
     "is_tracing",
     "is_variable_creation",

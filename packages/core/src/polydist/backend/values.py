@@ -6,8 +6,16 @@ nest of them, :func:`regroup` combines one nest per replica into one nest of
 distributed values (what a backend that runs its own replicas hands ``merge_fn``), and
 :func:`value_container` returns the distributed value a component belongs to (or the
 value itself). :func:`variable_backend` names the backend a variable's arrays belong to.
+
+:func:`deferred` makes a ``PerReplica`` (or ``Mirrored``) whose components a
+``ComponentSource`` makes on first read: a compiled backend returns a per-replica
+result that way, and recognizes it whole (:func:`component_source`) when it is passed
+back into the next run, so a training loop's parameters are never split per replica.
 """
 
+from typing import TypeVar
+
+from polydist._valuetypes.values import ComponentSource as ComponentSource
 from polydist._valuetypes.values import DistributedValues as DistributedValues
 from polydist._valuetypes.values import Mirrored as Mirrored
 from polydist._valuetypes.values import PerReplica as PerReplica
@@ -20,6 +28,25 @@ from polydist._valuetypes.variables import SyncOnReadVariable as SyncOnReadVaria
 from polydist._valuetypes.variables import Variable as Variable
 from polydist.backend._contract import Backend
 
+_D = TypeVar("_D", bound=DistributedValues)
+
+
+def deferred(cls: type[_D], source: ComponentSource) -> _D:
+    """A ``cls`` (``PerReplica`` or ``Mirrored``) whose components ``source.components()``
+    makes the first time anything reads them (``values``, a replica's pick, a reduction);
+    until then it holds only ``source``."""
+    if not (issubclass(cls, DistributedValues) and not getattr(cls, "_select_whole", False)):
+        raise TypeError(f"deferred() makes PerReplica or Mirrored values, not {cls.__name__}.")
+    value: _D = cls._deferred(source)
+    return value
+
+
+def component_source(value: DistributedValues) -> ComponentSource | None:
+    """The source of a :func:`deferred` value (whether or not its components were made
+    since), else None."""
+    source: ComponentSource | None = value._source
+    return source
+
 
 def variable_backend(variable: Variable) -> Backend:
     """The backend whose arrays ``variable`` (plain or distributed) stores."""
@@ -27,6 +54,7 @@ def variable_backend(variable: Variable) -> Backend:
 
 
 __all__ = [
+    "ComponentSource",
     "DistributedValues",
     "DistributedVariable",
     "Mirrored",
@@ -34,6 +62,8 @@ __all__ = [
     "PerReplica",
     "SyncOnReadVariable",
     "Variable",
+    "component_source",
+    "deferred",
     "regroup",
     "select_replica",
     "value_container",
