@@ -217,3 +217,94 @@ def test_memory_a_variable_left_is_no_longer_its_storage() -> None:
         marked.set_(torch.ones(8).untyped_storage())  # the variable's tensor moves elsewhere
     assert is_variable_storage(marked)  # the marked object itself still counts
     assert not is_variable_storage(old_view)  # nothing writes into the old memory now
+
+
+def _one_replica_model() -> tuple[pd.Strategy, Any, Any]:
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend())
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)))
+        opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    return strategy, model, opt
+
+
+def test_one_replica_steps_on_the_gradients_backward_made() -> None:
+    """At one replica ``step()`` neither copies nor sums: the wrapped optimizer steps on
+    the very ``.grad`` tensors ``backward()`` made (same objects, same memory, unchanged
+    values), with no gradient bucket built (issue 20: polydist's step against Fabric's)."""
+    strategy, model, opt = _one_replica_model()
+    x, y = torch.randn(5, 3), torch.randn(5, 1)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    plain.load_state_dict(model.state_dict())
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def step() -> None:
+        ((model(x) - y) ** 2).sum().backward()
+        params = list(model.parameters())
+        grads = [p.grad for p in params]
+        ptrs = [g.data_ptr() for g in grads]
+        values = [g.clone() for g in grads]
+        opt.all_reduce_gradients()
+        opt.step()
+        seen.append(
+            (
+                all(p.grad is g for p, g in zip(params, grads)),
+                [p.grad.data_ptr() for p in params] == ptrs,
+                all(torch.equal(p.grad, v) for p, v in zip(params, values)),
+            )
+        )
+        opt.zero_grad()
+
+    for _ in range(2):
+        strategy.run(step)
+    assert seen == [(True, True, True)] * 2
+    assert opt._bucket is None
+    reference = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for _ in range(2):
+        ((plain(x) - y) ** 2).sum().backward()
+        reference.step()
+        reference.zero_grad()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_one_replica_step_still_runs_hooks_and_refuses_a_closure() -> None:
+    """The one-replica step goes straight to the wrapped optimizer only where nothing else
+    is asked of it: step hooks still run, a closure and a call outside run still raise."""
+    strategy, model, opt = _one_replica_model()
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+
+    def step() -> None:
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+
+    strategy.run(step)
+    assert calls == ["pre", "post"]
+    with pytest.raises(NotImplementedError, match="closure"):
+        strategy.run(lambda: opt.step(lambda: 0.0))
+    with pytest.raises(RuntimeError, match="inside strategy.run"):
+        opt.step()
+
+
+def test_a_lone_replica_reuses_its_channel_across_runs() -> None:
+    """A lone replica's collectives object and channel hold no state of a run, so each
+    run does not build them again (issue 20: every object of a run costs on a real step,
+    whose matrix products leave none of them in the caches)."""
+    from polydist.backend.context import replica_channel
+
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend())
+
+    def channel() -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return replica_channel(ctx)
+
+    first, second = strategy.run(channel), strategy.run(channel)
+    assert first is second
+    other = pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend())
+    assert other.run(channel) is not first  # per strategy: its own group
+    # Still a working channel: the collective of a lone replica hands its input back.
+    x = torch.arange(3.0)
+    assert strategy.run(lambda: pd.get_replica_context().all_reduce("SUM", x)) is x

@@ -310,13 +310,17 @@ _STORAGE_ALONE = _storage_refs(torch.zeros(1))
 class TorchReplicaRunner(EagerReplicaRunner):
     """Core's eager runner, carrying the caller's torch modes into the replica threads."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lone_inline = self.runs_inline(1)  # fixed by the mode; asked at every run
+
     def run(
         self,
         group: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
     ) -> list[Any]:
-        if self.runs_inline(len(per_replica_args)):
+        if len(per_replica_args) == 1 and self._lone_inline:
             return super().run(group, fn, per_replica_args)  # on this thread
         # Replicas run on other threads, and torch's grad, inference and autocast modes
         # are per thread: carry the caller's into every replica, as DataParallel does.

@@ -267,9 +267,10 @@ class DistributedModule(nn.Module):
         return getattr(self._replicas[r or 0], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        r = _replica_index(self.strategy, "this DistributedModule")
+        r = _replica_index(self._strategy, "this DistributedModule")
         if r is not None:
-            self._refresh_buffers(r)
+            if self._buffer_slots:  # most models' steps have none to refresh
+                self._refresh_buffers(r)
             return self._replicas[r](*args, **kwargs)
         self._refresh_buffers(0)
         with self._cross_replica_buffers():
@@ -712,6 +713,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """All-reduces the gradients (SUM) and steps this replica's copy (replica context)."""
+        if (
+            self._alone
+            and closure is None
+            and not self._optimizer_step_pre_hooks
+            and not self._optimizer_step_post_hooks
+            and _replica_index(self._strategy, "this DistributedOptimizer") == 0
+        ):
+            # One replica in sync, inside run: the sum is its own gradients, so the step
+            # is the wrapped optimizer's, on the very .grad tensors backward() made.
+            self._reduced[0] = False
+            with _GradMode(False):
+                return self._replicas[0].step()
         # torch.no_grad as a decorator clones its context at every call: a plain one here.
         with _GradMode(False):
             return self._step(closure)
@@ -747,7 +760,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        r = self._index()
+        r = _replica_index(self._strategy, "this DistributedOptimizer")
+        if len(self._replicas) == 1:  # inside run or not, the one copy
+            self._replicas[0].zero_grad(set_to_none=set_to_none)
+            self._reduced[0] = False
+            return
         chosen = self._replicas if r is None else (self._replicas[r],)
         for opt in chosen:
             opt.zero_grad(set_to_none=set_to_none)

@@ -257,10 +257,13 @@ def require_cross_replica_or_default_context(
     strategy: Strategy, message: str | None = None
 ) -> None:
     """Raises TF's errors unless in ``strategy``'s cross-replica context or the default context."""
-    m = current_mode()
-    if m.cross_replica_context is strategy:
-        return
-    if is_default_mode(m):
+    # Asked by every strategy.run and reduce: the stack read once, not through
+    # current_mode and is_default_mode (calls that cost on a step's cold caches).
+    stack = _stack.get()
+    if not stack:
+        return  # the default context
+    m = stack[-1]
+    if m.cross_replica_context is strategy or m is _get_default_mode():
         return
     if m.strategy is not strategy:
         wrong_strategy_scope(strategy, m)

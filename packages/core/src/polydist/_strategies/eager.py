@@ -250,6 +250,13 @@ class _Collectives:
         """A lone replica's sync point, performed at once: nobody else to wait for."""
         return self._resolve([request])[0]
 
+    def channel(self, index: int, syncs: _Syncs) -> ReplicaChannel:
+        """Replica ``index``'s channel, its sync points going to ``syncs``."""
+        channel: ReplicaChannel = _EagerChannel(syncs)
+        if self.wrap_channel is not None:
+            channel = self.wrap_channel(channel, self.offset + index)
+        return channel
+
     def run_replica(
         self,
         index: int,
@@ -257,14 +264,14 @@ class _Collectives:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        channel: ReplicaChannel | None = None,
     ) -> Any:
         """``fn(*args, **kwargs)`` as replica ``index``: in its replica context (its sync
-        points go to ``syncs``) and device scope."""
+        points go to ``syncs``, through ``channel``, else `channel`'s) and device scope."""
         device = self.devices[index]
-        channel: ReplicaChannel = _EagerChannel(syncs)
-        if self.wrap_channel is not None:
-            channel = self.wrap_channel(channel, self.offset + index)
-        module = _replica_context_module()
+        if channel is None:
+            channel = self.channel(index, syncs)
+        module = _REPLICA_CONTEXT[0] if _REPLICA_CONTEXT else _replica_context_module()
         replica_id: Any
         if self.lazy_replica_id:
             # Placed when the replica first asks for it: most steps never do, and a
@@ -517,12 +524,18 @@ class EagerReplicaRunner:
         `polydist.backend.replica_group`), each inside its ``ReplicaContext`` and device
         scope, and returns each replica's result in replica order."""
         # Read at every run, inline too: a bad $POLYDIST_TIMEOUT_SECONDS fails at once.
-        timeout = self._timeout if self._timeout is not None else default_timeout()
+        timeout = self._timeout if self._timeout is not None else timeout_seconds_from_env()
         if self._mode == "thread" and len(per_replica_args) == 1:  # runs_inline
             # A lone replica on the calling thread, no scheduler: nobody to wait for.
             args, kwargs = per_replica_args[0]
-            collectives = _Collectives(group, self._wrap_channel, self._lazy_replica_id)
-            return [collectives.run_replica(0, collectives, fn, args, kwargs)]
+            # Its collectives object and channel hold no state of a run: built once per
+            # group (a strategy's run state) and runner, kept on the group.
+            inline = group.__dict__.get(_INLINE)
+            if inline is None or inline[0] is not self:
+                collectives = _Collectives(group, self._wrap_channel, self._lazy_replica_id)
+                inline = (self, collectives, collectives.channel(0, collectives))
+                object.__setattr__(group, _INLINE, inline)  # a cache beside its fields
+            return [inline[1].run_replica(0, inline[1], fn, args, kwargs, inline[2])]
         run = _Run(
             group,
             fn,
@@ -534,6 +547,9 @@ class EagerReplicaRunner:
         )
         return run.run()
 
+
+#: Where a lone inline replica's ``(runner, _Collectives, channel)`` is kept on its group.
+_INLINE = "_polydist_inline_run"
 
 #: The runner of an eager backend that configures none (`SupportsReplicaRunner`).
 _DEFAULT_RUNNER = EagerReplicaRunner()
@@ -564,11 +580,9 @@ class ReplicaExecution:
         group = self.group
         backend = group.backend
         if backend.capabilities.execution_model == "eager":
-            runner = (
-                cast("SupportsReplicaRunner", backend).replica_runner
-                if self._supplies_runner
-                else _DEFAULT_RUNNER
-            )
+            # An annotation, not typing.cast: a call at run time, at every run.
+            supplier: SupportsReplicaRunner = backend  # type: ignore[assignment]
+            runner = supplier.replica_runner if self._supplies_runner else _DEFAULT_RUNNER
             return runner.run(group, fn, per_replica_args)
         if not self._compiles:
             raise TypeError(

@@ -36,7 +36,9 @@ __all__ = [
 def replica_index(ctx: ReplicaContext | _base_context.ReplicaContext) -> int | None:
     """The index, among this process's replicas, of the replica ``ctx`` runs; ``None``
     in a context traced once for every replica (SPMD), which has no Python index."""
-    return cast("ReplicaContext", ctx)._replica_index
+    # Asked several times per step: an annotation, not typing.cast (a call at run time).
+    context: ReplicaContext = ctx  # type: ignore[assignment]
+    return context._replica_index
 
 
 def replica_channel(ctx: ReplicaContext | _base_context.ReplicaContext) -> ReplicaChannel | None:
