@@ -530,11 +530,11 @@ class EagerReplicaRunner:
             args, kwargs = per_replica_args[0]
             # Its collectives object and channel hold no state of a run: built once per
             # group (a strategy's run state) and runner, kept on the group.
-            inline = group.__dict__.get(_INLINE)
+            inline = group.run_cache.get(_INLINE)
             if inline is None or inline[0] is not self:
                 collectives = _Collectives(group, self._wrap_channel, self._lazy_replica_id)
                 inline = (self, collectives, collectives.channel(0, collectives))
-                object.__setattr__(group, _INLINE, inline)  # a cache beside its fields
+                group.run_cache[_INLINE] = inline
             return [inline[1].run_replica(0, inline[1], fn, args, kwargs, inline[2])]
         run = _Run(
             group,
@@ -548,8 +548,8 @@ class EagerReplicaRunner:
         return run.run()
 
 
-#: Where a lone inline replica's ``(runner, _Collectives, channel)`` is kept on its group.
-_INLINE = "_polydist_inline_run"
+#: A lone inline replica's ``(runner, _Collectives, channel)`` in its group's run_cache.
+_INLINE = "inline_run"
 
 #: The runner of an eager backend that configures none (`SupportsReplicaRunner`).
 _DEFAULT_RUNNER = EagerReplicaRunner()

@@ -496,6 +496,9 @@ class ReplicaGroup:
     replica_offset: int = 0
     #: For a run: the strategy's ``CommunicationOptions`` (multi-worker strategies).
     communication_options: CommunicationOptions | None = None
+    #: What core's replica runner keeps for runs of this group (it holds no run's
+    #: state: a lone replica's collectives and channel); not part of the group.
+    run_cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_replicas_in_sync(self) -> int:
