@@ -53,13 +53,10 @@ timings of a 1-2 ms step varied by up to 30% between runs of the same code.
 512 -> 512 -> 1, batch 1024, SGD, 1 CPU replica) with polydist's torch backend
 (`distribute_module` + `distribute_optimizer` in `strategy.run`), Lightning
 Fabric, Hugging Face Accelerate and plain PyTorch, interleaved in one run. The
-committed `torch-peers-cpu` and `torch-cpu` results were taken on the quiet 2-core
-machine (load about 1): polydist 1.031x the hand-written step, Fabric 1.020x,
-Accelerate 1.032x. That was before the second round of per-step work of issue 20
-(a lone replica runs with no scheduler, the replica id is placed only when asked
-for, plain arguments skip the flatten), which roughly halved polydist's host work
-per `run`; its figures, measured so
-that load matters less, are in [the torch backend's page](backends/torch.md#benchmarks).
+committed `torch-peers-cpu` and `torch-cpu` results were taken on the 2-core
+machine at load about 1 after the third round of per-step work of issue 20:
+polydist 1.019x the hand-written step, Fabric 1.026x, Accelerate 1.031x; the
+rounds are described in [the torch backend's page](backends/torch.md#benchmarks).
 
 `multiworker-step-cpu` (`benchmarks/bench_multiworker_step.py`) is a training
 step across 2 worker processes (1 replica each, loopback): an MLP whose 1 to 64
