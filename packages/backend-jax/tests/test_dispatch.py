@@ -643,17 +643,17 @@ def test_a_direct_call_inside_jax_jit_joins_its_trace() -> None:
     assert outer(jnp.ones(3)).tolist() == [1.0, 3.0, 5.0]
 
 
-def count_splits(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The deferred results whose components were made (`_spmd._Result.components`)."""
-    made: list[Any] = []
-    original = _spmd._Result.components
+def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[tuple[Any, ...]]:
+    """The arguments (``self`` first) of each call of ``cls.name`` from now on."""
+    calls: list[tuple[Any, ...]] = []
+    original = getattr(cls, name)
 
-    def counting(self: Any) -> Any:
-        made.append(self)
-        return original(self)
+    def counting(*args: Any) -> Any:
+        calls.append(args)
+        return original(*args)
 
-    monkeypatch.setattr(_spmd._Result, "components", counting)
-    return made
+    monkeypatch.setattr(cls, name, counting)
+    return calls
 
 
 def test_results_passed_back_in_are_never_split(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -671,7 +671,7 @@ def test_results_passed_back_in_are_never_split(monkeypatch: pytest.MonkeyPatch)
     x = on_devices([jnp.arange(3.0) + r for r in range(N)], jax.devices()[:N])
     w, loss = strategy.run(step, (w, x))
     w, loss = strategy.run(step, (w, x))  # the checked first replay
-    made = count_splits(monkeypatch)
+    made = count_calls(monkeypatch, _spmd._Result, "components")  # results split out
     assembled: list[Any] = []
     make_array = jax.make_array_from_single_device_arrays
     monkeypatch.setattr(
@@ -737,19 +737,6 @@ def test_shards_are_jax_own_per_device_arrays_in_replica_order() -> None:
         _spmd._shards(array, mesh)
 
 
-def count_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The variable copies split out of a program's output (`_spmd._Stored.component`)."""
-    made: list[int] = []
-    original = _spmd._Stored.component
-
-    def counting(self: Any, index: int) -> Any:
-        made.append(index)
-        return original(self, index)
-
-    monkeypatch.setattr(_spmd._Stored, "component", counting)
-    return made
-
-
 @pytest.mark.parametrize("shape", [(3,), ()], ids=["vector", "rank0"])
 def test_variable_copies_stay_whole_until_read(
     shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
@@ -765,17 +752,17 @@ def test_variable_copies_stay_whole_until_read(
     x = on_devices([jnp.full(3, float(r)) for r in range(N)], jax.devices()[:N])
     for _ in range(2):
         strategy.run(step, (x,))
-    made = count_copies(monkeypatch)
+    calls = count_calls(monkeypatch, _spmd._Stored, "component")  # copies split out
     before = cached_input(backend, v)
     for _ in range(3):
         strategy.run(step, (x,))
-    assert made == []  # five steps, no copy split out
+    assert calls == []  # five steps, no copy split out
     assert before.is_deleted()  # and the copies were donated each step
     mean = sum(range(N)) / N * (1 if shape else 3)
     assert v.numpy().tolist() == np.full(shape, 5 * mean).tolist()
-    assert made == [0]  # replica 0's copy only
+    assert [i for _, i in calls] == [0]  # replica 0's copy only
     parts = [c.value() for c in v.values]
-    assert made == [0, 1, 2, 3]
+    assert [i for _, i in calls] == [0, 1, 2, 3]
     assert [p.shape for p in parts] == [shape] * N
     assert [str(p.device) for p in parts] == [str(d) for d in jax.devices()[:N]]
     # A copy a user holds is not donated (copied first); the rest still are.

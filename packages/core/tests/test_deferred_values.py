@@ -92,7 +92,7 @@ def test_a_source_with_no_components_is_an_error() -> None:
 
 def test_only_per_replica_and_mirrored_values_are_deferred() -> None:
     assert deferred(pd.Mirrored, Counting([5, 5])).values == (5, 5)
-    with pytest.raises(TypeError, match="PerReplica or Mirrored values, not MirroredVariable"):
+    with pytest.raises(TypeError, match="PerReplica or Mirrored values, got MirroredVariable"):
         deferred(pd.MirroredVariable, Counting([1]))
 
 

@@ -62,10 +62,6 @@ class _Joined(NamedTuple):
 # keeps a step's batch alive after the PerReplica is gone.
 _JOINED: dict[int, _Joined] = {}
 
-# Where each replica's block is among a replica mesh's addressable shards (meshes
-# live as long as their backend's cache: few, small entries).
-_SHARD_ORDER: dict[NamedSharding, tuple[int, ...]] = {}
-
 
 def place_per_replica(
     place: Callable[[Any, str], Any],
@@ -107,11 +103,7 @@ def _transfer(values: Sequence[np.ndarray], mesh: _Mesh) -> tuple[jax.Array | No
         return values[start // block]
 
     array = jax.make_array_from_callback(shape, mesh.split, block_at)
-    order = _SHARD_ORDER.get(mesh.split)
-    if order is None:
-        position = {s.device: k for k, s in enumerate(array.addressable_shards)}
-        order = _SHARD_ORDER[mesh.split] = tuple(position[d] for d in mesh.devices)
-    return array, [array.addressable_data(k) for k in order]
+    return array, mesh.parts(array)
 
 
 def _joinable(values: Sequence[Any], devices: tuple[str, ...]) -> bool:

@@ -239,6 +239,36 @@ class _Mesh:
             size=sum(len(row) for row in grid),
         )
 
+    def parts(self, array: Any) -> list[Any]:
+        """Each of this process's replicas' array of a global ``array`` on this mesh (split
+        or replicated), in replica order: JAX's own per-device objects."""
+        sharding = array.sharding
+        orders = self.orders
+        try:
+            order = orders[sharding]
+        except KeyError:
+            order = None
+            if len(orders) < 64:
+                devices = [shard.device for shard in array.addressable_shards]
+                if sorted(self.index[d] for d in devices) == list(range(len(self.devices))):
+                    position = {d: p for p, d in enumerate(devices)}
+                    order = tuple(position[d] for d in self.devices)
+                orders[sharding] = order
+        if order is not None:
+            # JAX's own per-device objects, no Shard built: ``_arrays`` is the list
+            # `addressable_data(p)` indexes (read once, not through 4 calls per array,
+            # which a step with several devices and outputs notices).
+            arrays = None if array.is_deleted() else getattr(array, "_arrays", None)
+            if type(arrays) is list and len(arrays) == len(order):
+                return [arrays[p] for p in order]
+            if not sharding.is_fully_replicated:  # (else addressable_data gives the first)
+                data = array.addressable_data
+                return [data(p) for p in order]
+        parts: list[Any] = [None] * len(self.devices)
+        for shard in array.addressable_shards:
+            parts[self.index[shard.device]] = shard.data
+        return parts
+
     def assemble(self, blocks: Sequence[Any]) -> Any:
         """The global array split along axis 0 whose blocks here are ``blocks`` (this
         process's replicas' blocks, in order; no copy)."""
@@ -2201,16 +2231,34 @@ def _parts(
     """Each replica's part of the program's split and replicated outputs."""
     split_parts = [_shards(g, mesh) for g in split]
     replicated_parts = [_shards(g, mesh) for g in replicated]
-    scalars = program.scalars
-    if scalars is None:
-        scalars = program.scalars = [
-            o.index for o in program.outputs if o.kind == "split" and o.scalar
-        ]
+    scalars = _scalars(program)
     if scalars and not program.squeezed:
         squeezed = _per_device(_to_scalar, [split_parts[i] for i in scalars])
         for i, parts in zip(scalars, squeezed, strict=True):
             split_parts[i] = parts
     return split_parts, replicated_parts
+
+
+def _scalars(program: _Program) -> list[int]:
+    """The indices of ``program``'s split outputs that are rank 0 per replica."""
+    scalars = program.scalars
+    if scalars is None:
+        scalars = program.scalars = [
+            o.index for o in program.outputs if o.kind == "split" and o.scalar
+        ]
+    return scalars
+
+
+def _plain_leaf(
+    how: int, index: int, obj: Any, variables: list[Variable], flat: Sequence[Any]
+) -> Any:
+    """A result leaf that is no program output (`_Dispatch.outputs`: _R_OBJECT,
+    _R_VARIABLE or _R_INPUT)."""
+    if how == _R_OBJECT:
+        return obj
+    if how == _R_VARIABLE:
+        return variables[index]
+    return flat[index]
 
 
 def _same_result(expected: Any, got: Any) -> bool:
@@ -2288,12 +2336,8 @@ def _direct_result(
         if how in (_R_PARTS, _R_FIRST):
             parts = (split_parts if obj == "split" else replicated_parts)[index]
             leaves.append(parts[0] if how == _R_FIRST or len(parts) == 1 else PerReplica(parts))
-        elif how == _R_OBJECT:
-            leaves.append(obj)
-        elif how == _R_VARIABLE:
-            leaves.append(variables[index])
         else:
-            leaves.append(flat[index])
+            leaves.append(_plain_leaf(how, index, obj, variables, flat))
     return _nest.unflatten(program.out_spec, leaves)
 
 
@@ -2308,11 +2352,7 @@ def _deferred_result(
 ) -> Any:
     """`_direct_result` with each per-replica result a `deferred` ``PerReplica`` of its
     global array (`_Result`): not split per replica unless read."""
-    scalars = program.scalars
-    if scalars is None:
-        scalars = program.scalars = [
-            o.index for o in program.outputs if o.kind == "split" and o.scalar
-        ]
+    scalars = _scalars(program)
     leaves: list[Any] = []
     for how, index, obj in dispatch.outputs:
         if how == _R_PARTS:
@@ -2322,15 +2362,10 @@ def _deferred_result(
             leaves.append(deferred(PerReplica, _Result(array, mesh, scalar, is_split)))
         elif how == _R_FIRST:
             parts = _shards((split if obj == "split" else replicated)[index], mesh)
-            if obj == "split" and index in scalars:
-                parts = [_to_scalar(parts[0])[0]]
-            leaves.append(parts[0])
-        elif how == _R_OBJECT:
-            leaves.append(obj)
-        elif how == _R_VARIABLE:
-            leaves.append(variables[index])
+            scalar = obj == "split" and index in scalars
+            leaves.append(_scalar_copy(parts[0]) if scalar else parts[0])
         else:
-            leaves.append(flat[index])
+            leaves.append(_plain_leaf(how, index, obj, variables, flat))
     if dispatch.leaf:
         return leaves[0]
     return _nest.unflatten(program.out_spec, leaves)
@@ -2349,32 +2384,14 @@ def _shards(global_array: Any, mesh: _Mesh) -> list[Any]:
         if sharding is mesh.single[0] or sharding == mesh.replicated:
             return [global_array]
         return [global_array.addressable_data(0)]
-    sharding = global_array.sharding
-    orders = mesh.orders
-    try:
-        order = orders[sharding]
-    except KeyError:
-        order = None
-        if len(orders) < 64:
-            devices = [shard.device for shard in global_array.addressable_shards]
-            if sorted(mesh.index[d] for d in devices) == list(range(len(mesh.devices))):
-                position = {d: p for p, d in enumerate(devices)}
-                order = tuple(position[d] for d in mesh.devices)
-            orders[sharding] = order
-    if order is not None:
-        # The p-th addressable array, JAX's own object, no Shard built: ``_arrays`` is the
-        # list `addressable_data(p)` indexes (read once here, not through 4 calls per
-        # array, which a step with several devices and outputs notices).
-        arrays = None if global_array.is_deleted() else getattr(global_array, "_arrays", None)
-        if type(arrays) is list and len(arrays) == len(order):
-            return [arrays[p] for p in order]
-        if not sharding.is_fully_replicated:  # (else addressable_data gives the first)
-            data = global_array.addressable_data
-            return [data(p) for p in order]
-    parts: list[Any] = [None] * len(mesh.devices)
-    for shard in global_array.addressable_shards:
-        parts[mesh.index[shard.device]] = shard.data
-    return parts
+    return mesh.parts(global_array)
+
+
+def _scalar_copy(part: Any) -> Any:
+    """A replica's rank-0 value from its ``[1]`` block of a program output; concrete even
+    when first read inside another function's trace."""
+    with jax.ensure_compile_time_eval():
+        return _to_scalar(part)[0]
 
 
 class _Result:
@@ -2392,10 +2409,7 @@ class _Result:
 
     def components(self) -> list[Any]:
         parts = _shards(self.array, self.mesh)
-        if self.scalar:
-            with jax.ensure_compile_time_eval():  # concrete, even when read inside a trace
-                parts = [_to_scalar(p)[0] for p in parts]
-        return parts
+        return [_scalar_copy(p) for p in parts] if self.scalar else parts
 
     def input_for(self, mesh: _Mesh, aval: Any) -> Any:
         """The program input this result is for a per-replica leaf of block ``aval`` on
@@ -2441,11 +2455,7 @@ class _Stored:
         parts = self.parts
         if parts is None:
             parts = self.parts = _shards(self.array, self.mesh)
-        if self.scalar:
-            with jax.ensure_compile_time_eval():  # concrete, even when read inside a trace
-                value = _to_scalar(parts[index])[0]
-        else:
-            value = parts[index]
+        value = _scalar_copy(parts[index]) if self.scalar else parts[index]
         self.copies[index] = value
         # Its references now, counted as `InputCache.lookup` counts them later: then the
         # component holds it where ``value`` does now; any more is someone else's.

@@ -164,7 +164,9 @@ def defer_storage(variable: Variable, source: StorageSource) -> None:
         if c._replica_index != r:
             raise ValueError(
                 f"defer_storage: component {r} of {variable.name!r} has replica index "
-                f"{c._replica_index}, not {r}."
+                f"{c._replica_index}, not {r}: source.component(i) is asked for by that "
+                "index, so deferral needs components in replica order. Store such a "
+                "variable's copies with swap_storage instead."
             )
         state = c.__dict__
         state.pop("_array", None)

@@ -68,7 +68,11 @@ class DistributedValues:
             if source is not None:
                 values = tuple(source.components())
                 if not values:
-                    raise ValueError(f"{source!r} made no components.")
+                    raise ValueError(
+                        f"The source of a deferred {type(self).__name__}, {source!r}, made no "
+                        "components; it must make one per local replica (a backend bug: "
+                        "its components() returned an empty sequence)."
+                    )
                 self._values = values
                 return values
         elif name == "_source":

@@ -36,7 +36,11 @@ def deferred(cls: type[_D], source: ComponentSource) -> _D:
     makes the first time anything reads them (``values``, a replica's pick, a reduction);
     until then it holds only ``source``."""
     if not (issubclass(cls, DistributedValues) and not getattr(cls, "_select_whole", False)):
-        raise TypeError(f"deferred() makes PerReplica or Mirrored values, not {cls.__name__}.")
+        raise TypeError(
+            f"deferred() makes PerReplica or Mirrored values, got {cls.__name__}: pass one "
+            "of those classes (a variable's copies are deferred with "
+            "polydist.backend.tracing.defer_storage)."
+        )
     value: _D = cls._deferred(source)
     return value
 
