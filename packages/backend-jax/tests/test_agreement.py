@@ -34,12 +34,18 @@ class RecordingGroup:
         return jitted
 
     def execute(
-        self, signature: bytes, mesh: Any, executable: Any, inputs: Sequence[Any]
+        self,
+        signature: bytes,
+        mesh: Any,
+        executable: Any,
+        inputs: Sequence[Any],
+        then: Callable[[Any], Any] | None = None,
     ) -> tuple[str | None, Any]:
         self.signatures.append(signature)
         if len(self.signatures) - 1 in self.disagree:
             return "another worker runs another program", None
-        return None, executable(*inputs)
+        outputs = executable(*inputs)
+        return None, (outputs if then is None else then(outputs))
 
 
 @pytest.fixture
@@ -184,3 +190,23 @@ def test_a_direct_call_the_processes_disagree_on_runs_eagerly_without_agreeing_a
         assert len(group.signatures) == k + 1  # one agreement per call
         assert backend.eager_fallback_count == (1 if k >= 2 else 0)
     assert backend.compile_count == 1
+
+
+def test_one_block_global_arrays_are_checked_as_jax_checks_them() -> None:
+    # `_global_array` skips JAX's own checks for a sharding with one addressable device
+    # (a worker with one replica) only where the block's device and shape are right.
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    first, second = jax.devices()[:2]
+    sharding = NamedSharding(Mesh(np.array([first]), ("r",)), P())
+    block = jax.device_put(np.arange(4, dtype=np.float32), first)
+    made = _spmd._global_array((4,), sharding, [block])
+    assert made.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(made), [0, 1, 2, 3])
+    elsewhere = jax.device_put(np.arange(4, dtype=np.float32), second)
+    with pytest.raises(ValueError, match="devices do not match"):
+        _spmd._global_array((4,), sharding, [elsewhere])
+    with pytest.raises(ValueError, match="shape"):
+        _spmd._global_array((3,), sharding, [block])

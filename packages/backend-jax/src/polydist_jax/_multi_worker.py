@@ -618,16 +618,29 @@ class _Cluster(mp.ClusterMembership):
         return jax.jit(step).lower(digest, *inputs).compile()
 
     def execute(
-        self, signature: bytes, mesh: _Mesh, executable: Any, inputs: Sequence[Any]
+        self,
+        signature: bytes,
+        mesh: _Mesh,
+        executable: Any,
+        inputs: Sequence[Any],
+        then: Callable[[Any], Any] | None = None,
     ) -> tuple[str | None, Any]:
         """Runs `compile`'s ``executable`` (see `polydist_jax._spmd.ProcessGroup`)."""
-        rows, outputs = self._agreed(signature, mesh, lambda d: executable(d, *inputs))
+        made: list[Any] = []
+
+        def run(digest: Any) -> Any:
+            rows, outputs = executable(digest, *inputs)
+            made.append(outputs if then is None else then(outputs))
+            return rows, outputs
+
+        rows, _ = self._agreed(signature, mesh, run)
         why = self._disagreement(rows, signature, mesh)
-        return why, (None if why is not None else outputs)
+        return why, (None if why is not None else made[0])
 
     def _agreed(self, signature: bytes | None, mesh: _Mesh, run: Callable[[Any], Any]) -> Any:
         """``run(digest)`` of this worker's digest of ``signature``: a step whose first
-        collective is the agreement, bounded and checked (see `agree`)."""
+        collective is the agreement, bounded and checked (see `agree`); ``run``'s host
+        work after its dispatch overlaps the step (the wait comes after it)."""
         digest = self._digest_array(signature, mesh)[0]
         pending = self.announce(_RUN)
         self._announced = pending

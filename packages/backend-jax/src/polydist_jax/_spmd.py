@@ -124,8 +124,9 @@ try:  # what jax.make_array_from_single_device_arrays builds, for `_global_array
 except ImportError:  # another JAX: the public function each time
     _ArrayImpl = None
 
-# (shape, dtype, sharding) -> the abstract value of such a global array (None: a dtype
-# that JAX's own function handles its own way).
+# (shape, dtype, sharding) -> the abstract value of such a global array, and the one
+# device sharding and block shape of a sharding with one addressable device (None: a
+# dtype that JAX's own function handles its own way).
 _AVALS: dict[tuple[Any, ...], Any] = {}
 _AVALS_LIMIT = 1024
 
@@ -139,18 +140,28 @@ def _global_array(shape: tuple[int, ...], sharding: Any, arrays: list[Any]) -> A
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
     dtype = arrays[0].dtype
     key = (shape, dtype, sharding)
-    aval = _AVALS.get(key, False)
-    if aval is False:
+    entry = _AVALS.get(key)
+    if entry is None:
         if len(_AVALS) >= _AVALS_LIMIT:
             _AVALS.clear()
         extended = jnp.issubdtype(dtype, jax.dtypes.extended)
-        aval = _AVALS[key] = (
+        aval = (
             None
             if extended
             else _with_sharding(_ShapedArray(shape, dtype, weak_type=False), sharding)
         )
+        devices = list(sharding.addressable_devices) if aval is not None else []
+        single = SingleDeviceSharding(devices[0]) if len(devices) == 1 else None
+        entry = _AVALS[key] = (aval, single, sharding.shard_shape(shape) if single else None)
+    aval, single, block = entry
     if aval is None:
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    if single is not None and len(arrays) == 1:
+        # One addressable device (a worker with one replica): JAX's checks would
+        # only confirm the block's device and shape, checked here in two comparisons.
+        array = arrays[0]
+        if array.shape == block and array.sharding == single:
+            return _ArrayImpl(aval, sharding, arrays, committed=True, _skip_checks=True)
     return _ArrayImpl(aval, sharding, arrays, committed=True)
 
 
@@ -926,12 +937,18 @@ class ProcessGroup(Protocol):
         ...
 
     def execute(
-        self, signature: bytes, mesh: _Mesh, executable: Any, inputs: Sequence[Any]
+        self,
+        signature: bytes,
+        mesh: _Mesh,
+        executable: Any,
+        inputs: Sequence[Any],
+        then: Callable[[Any], Any] | None = None,
     ) -> tuple[str | None, Any]:
         """Runs `compile`'s ``executable`` (whose digest is ``signature``) on
         ``inputs``, waited for within the cluster's bounds (its failures become the
         cluster's errors): (None, its outputs) if every process ran the same program,
-        else (why not, None)."""
+        else (why not, None). ``then``: applied to the outputs once dispatched, before
+        the wait (host work that overlaps the step); the pair then holds its value."""
         ...
 
 
@@ -1155,6 +1172,7 @@ class CompiledRunner:
         first_calls = program.calls < CHECK_AT_ONCE
         program.calls += 1
         self._divergence.poll()
+        early = False
         if group is None:
             flat_out = program.local(*inputs)
             a, b, c, _ = program.counts
@@ -1167,10 +1185,21 @@ class CompiledRunner:
             # Across processes: the compiled step with its agreement (`ProcessGroup`),
             # as `run` runs it.
             assert program.signature is not None, "set with the executable"
-            why, outputs = group.execute(program.signature, mesh, program.executable, inputs)
+            # One device here (a worker with one replica, the common case): its parts of
+            # the outputs are taken while the step runs, not after it.
+            early = dispatch.checked and program.single is None and len(mesh.devices) == 1
+            why, outputs = group.execute(
+                program.signature,
+                mesh,
+                program.executable,
+                inputs,
+                functools.partial(_early_parts, program, mesh) if early else None,
+            )
             if why is not None:
                 _call.uneven = (fn, why)
                 return NOT_HANDLED
+            if early:
+                outputs, (split_parts, replicated_parts) = outputs
             split, replicated, updated, _ = outputs
             tracing = False
         if updated:
@@ -1208,7 +1237,8 @@ class CompiledRunner:
             replicated_parts = [[g] for g in replicated]
             return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
         if len(mesh.devices) == 1:  # one device of a run across processes: its part
-            split_parts, replicated_parts = _parts(program, split, replicated, mesh)
+            if not early:
+                split_parts, replicated_parts = _parts(program, split, replicated, mesh)
             self._remember_outputs(plan, program, split, split_parts)
             return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
         plan.recent = {}  # results are whole (`_Result`): found by their source
@@ -2315,6 +2345,15 @@ def _direct_replica(values: tuple[Any, ...], aval: Any, mesh: _Mesh) -> Any:
         ):
             return None
     return mesh.assemble(values)
+
+
+def _early_parts(
+    program: _Program, mesh: _Mesh, outputs: Any
+) -> tuple[Any, tuple[list[list[Any]], list[list[Any]]]]:
+    """``outputs`` and their `_parts`, taken before the step completes (see
+    `ProcessGroup.execute`'s ``then``)."""
+    split, replicated, _, _ = outputs
+    return outputs, _parts(program, split, replicated, mesh)
 
 
 def _direct_result(
