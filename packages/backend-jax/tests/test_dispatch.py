@@ -811,3 +811,46 @@ def test_global_arrays_and_their_shards_are_jax_s_own(reverse: bool) -> None:
     keys = [jax.device_put(jax.random.key(r)[None], d) for r, d in enumerate(devices)]
     joined = mesh.assemble(keys)  # an extended dtype: JAX's own function builds it
     assert joined.shape == (N,) and jax.dtypes.issubdtype(joined.dtype, jax.dtypes.extended)
+
+
+def test_rank0_results_come_out_per_device_with_no_reshape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A per-replica rank-0 result (a loss) is each replica's own rank-0 array as the
+    # program leaves it: reading it dispatches no reshape per device after the step.
+    strategy, backend = make()
+
+    def step(w: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return w - ctx.all_reduce("SUM", x), jnp.sum(x * w), (x * 2)[0]
+
+    w = replicate(strategy, jnp.ones(3))
+    x = on_devices([jnp.arange(3.0) + r for r in range(N)], jax.devices()[:N])
+    reshapes: list[Any] = []
+    original = _spmd._to_scalar
+
+    def counting(*xs: Any) -> Any:
+        reshapes.append(xs)
+        return original(*xs)
+
+    monkeypatch.setattr(_spmd, "_to_scalar", counting)
+    expected_w = np.ones(3)
+    for k in range(4):  # the prepared call, the checked replay, direct calls
+        w, loss, first = strategy.run(step, (w, x))
+        # Small integers: exact in float32 whatever the order of the sums.
+        want_loss = [float(np.sum((np.arange(3.0) + r) * expected_w)) for r in range(N)]
+        expected_w = expected_w - sum(np.arange(3.0) + r for r in range(N))
+        for value, want in ((loss, want_loss), (first, [2.0 * r for r in range(N)])):
+            parts = strategy.experimental_local_results(value)
+            assert [np.shape(p) for p in parts] == [()] * N, k
+            assert [str(p.device) for p in parts] == [str(d) for d in jax.devices()[:N]]
+            assert [float(p) for p in parts] == want, k
+            assert all(p.dtype == jnp.float32 for p in parts)
+        for part in strategy.experimental_local_results(w):
+            assert np.asarray(part).tolist() == expected_w.tolist()
+    assert reshapes == [] and backend.compile_count == 1
+    # Used as any array: summed by reduce, passed to another step per replica.
+    assert float(strategy.reduce("SUM", loss, axis=None)) == sum(want_loss)
+    again = strategy.run(plus_one, (loss,))
+    assert [float(p) for p in again.values] == [v + 1 for v in want_loss]

@@ -1026,7 +1026,7 @@ class CompiledRunner:
                 if traced or program.created or any(is_tracer(x) for x in inputs):
                     outputs = program.jitted(*inputs)
                 else:
-                    outputs = self._local_call(program, inputs, len(call_variables))
+                    outputs = self._local_call(program, inputs, len(call_variables), mesh)
                 self._throttle(mesh, outputs)
             else:
                 # Compiled ahead (outside the cluster's bound: a compile is no hang),
@@ -1349,7 +1349,9 @@ class CompiledRunner:
             plan.inputs[slot] = placed
         return True
 
-    def _local_call(self, program: _Program, inputs: list[Any], n_variables: int) -> Any:
+    def _local_call(
+        self, program: _Program, inputs: list[Any], n_variables: int, mesh: _Mesh
+    ) -> Any:
         """Runs ``program`` in this process outside JAX transformations, donating the
         input arrays of the variables it writes.
 
@@ -1377,6 +1379,7 @@ class CompiledRunner:
             )
             run = jaxpr_as_fun(stage.jaxpr)
             if program.single is None:
+                run = _rank0_outputs(run, program, mesh)
                 program.local = jax.jit(run, donate_argnums=program.donated, keep_unused=True)
             else:
                 # One device: results on it as single-device arrays, as users' arrays
@@ -2231,7 +2234,9 @@ def _parts(
     """Each replica's part of the program's split and replicated outputs."""
     split_parts = [_shards(g, mesh) for g in split]
     replicated_parts = [_shards(g, mesh) for g in replicated]
-    scalars = _scalars(program)
+    # Rank-0 results as ``[1]`` blocks (`program.jitted`'s; `program.local`'s are rank 0
+    # already, `_rank0_outputs`): reshaped on each device.
+    scalars = [i for i in _scalars(program) if split[i].ndim]
     if scalars and not program.squeezed:
         squeezed = _per_device(_to_scalar, [split_parts[i] for i in scalars])
         for i, parts in zip(scalars, squeezed, strict=True):
@@ -2355,20 +2360,56 @@ def _deferred_result(
     scalars = _scalars(program)
     leaves: list[Any] = []
     for how, index, obj in dispatch.outputs:
+        is_split = obj == "split"
         if how == _R_PARTS:
-            is_split = obj == "split"
             array = (split if is_split else replicated)[index]
-            scalar = is_split and index in scalars
-            leaves.append(deferred(PerReplica, _Result(array, mesh, scalar, is_split)))
+            if is_split and not array.ndim:
+                # Rank 0 per replica, each device's part its replica's value already
+                # (`_rank0_outputs`): handed out now (the array itself is no true
+                # replicated value, so it never leaves here).
+                leaves.append(PerReplica(mesh.parts(array)))
+            else:
+                scalar = is_split and index in scalars
+                leaves.append(deferred(PerReplica, _Result(array, mesh, scalar, is_split)))
         elif how == _R_FIRST:
-            parts = _shards((split if obj == "split" else replicated)[index], mesh)
-            scalar = obj == "split" and index in scalars
-            leaves.append(_scalar_copy(parts[0]) if scalar else parts[0])
+            array = (split if is_split else replicated)[index]
+            part = _shards(array, mesh)[0]
+            scalar = is_split and array.ndim and index in scalars  # a [1] block
+            leaves.append(_scalar_copy(part) if scalar else part)
         else:
             leaves.append(_plain_leaf(how, index, obj, variables, flat))
     if dispatch.leaf:
         return leaves[0]
     return _nest.unflatten(program.out_spec, leaves)
+
+
+def _rank0_outputs(run: Callable[..., Any], program: _Program, mesh: _Mesh) -> Callable[..., Any]:
+    """``run`` (a program's flat function) with its rank-0 per-replica results rank 0 on
+    each device: a ``shard_map`` of that block's reshape, whose output JAX takes to be
+    replicated (``out_specs=P()``, unchecked) while each device holds its own replica's
+    value. Each device's part then is that replica's rank-0 array as it is, where the
+    ``[1]`` block would need a reshape dispatched per device after the step (XLA:CPU
+    ran the MLP step of ``benchmarks/bench_jax.py`` ~3% longer with its loss read so).
+    The global array is no true replicated value: only its parts (`_Mesh.parts`) are
+    ever handed out. One process only (across processes every output is global)."""
+    scalars = _scalars(program)
+    if not scalars or mesh.spans_processes:
+        return run
+    to_rank0: Callable[..., Any] = jax.shard_map(
+        lambda block: jnp.reshape(block, ()),
+        mesh=mesh.mesh,
+        in_specs=pspec(mesh.axis),
+        out_specs=pspec(),
+        check_vma=False,
+    )
+
+    def with_rank0(*args: Any) -> list[Any]:
+        flat = list(run(*args))
+        for i in scalars:  # the split outputs come first
+            flat[i] = to_rank0(flat[i])
+        return flat
+
+    return with_rank0
 
 
 def _copy(x: Any) -> Any:
