@@ -523,6 +523,8 @@ class _Program:
     counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # split, replicated, updated, checks
     calls: int = 0  # calls so far (which ones check divergence: `CompiledRunner._checks`)
     scalars: list[int] | None = None  # the split outputs of rank 0 (`_parts`)
+    wait: int | None = None  # the output `CompiledRunner._throttle` waits on
+    blocks: list[Any] | None = None  # per split output, its block's aval (`_Result`)
 
 
 class _Strong:
@@ -594,6 +596,9 @@ class _Dispatch:
 
     spec: Any  # core's structure of (args, kwargs)
     types: tuple[type, ...] | None  # each argument's type, when every one is a leaf
+    # Per argument, its type if a leaf, else (list or tuple, its items' types) when
+    # every argument is a leaf or a list or tuple of leaves (`_flat_args`).
+    template: tuple[Any, ...] | None
     devices: tuple[str, ...]
     kinds: list[int]  # per leaf: _D_SAME | _D_ARRAY | _D_REPLICA
     avals: list[Any]  # per leaf: (shape, dtype) of its per-replica block / shared array
@@ -1027,7 +1032,7 @@ class CompiledRunner:
                     outputs = program.jitted(*inputs)
                 else:
                     outputs = self._local_call(program, inputs, len(call_variables), mesh)
-                self._throttle(mesh, outputs)
+                self._throttle(mesh, program, outputs)
             else:
                 # Compiled ahead (outside the cluster's bound: a compile is no hang),
                 # then run with every cross-process wait bounded; the program's first
@@ -1116,6 +1121,13 @@ class CompiledRunner:
         flat: Sequence[Any]
         if dispatch is not None and not kwargs and _leaf_types(args, dispatch.types):
             flat = args  # each argument a leaf, of the types it had: core's flat leaves
+        elif (
+            dispatch is not None
+            and not kwargs
+            and dispatch.template is not None
+            and (shallow := _flat_args(args, dispatch.template)) is not None
+        ):
+            flat = shallow  # lists or tuples of leaves, as they were: core's flat leaves
         else:
             flat, spec = _nest.flatten((args, kwargs))
             if dispatch is None:
@@ -1127,7 +1139,8 @@ class CompiledRunner:
         if replicas.devices is not dispatch.devices and replicas.devices != dispatch.devices:
             return NOT_HANDLED
         mesh = plan.mesh
-        if not self._direct_inputs(plan, dispatch, flat, mesh):
+        whole = self._direct_inputs(plan, dispatch, flat, mesh)
+        if whole is None:
             return NOT_HANDLED
         variables: list[Variable] = []
         cache = self._variable_inputs
@@ -1151,6 +1164,11 @@ class CompiledRunner:
                     inputs[i] = _copy(inputs[i])
         else:
             inputs = _ordered([], plan.inputs)
+        for slot in whole:
+            # An earlier call's result, passed in whole: held by this call's inputs
+            # only, so that it is freed when the caller drops it (as the arrays of a
+            # hand-written loop are), not when a later call replaces it here.
+            plan.inputs[slot] = None
         checked = bool(program.dirty) and self._checks(program, mesh)
         first_calls = program.calls < CHECK_AT_ONCE
         program.calls += 1
@@ -1162,7 +1180,7 @@ class CompiledRunner:
             replicated, updated = flat_out[a : a + b], flat_out[a + b : a + b + c]
             tracing = bool(flat_out) and is_tracer(flat_out[0])  # inside an outer trace
             if not tracing and mesh.throttled:
-                self._throttle(mesh, (split, replicated, updated, flat_out[a + b + c :]))
+                self._throttle(mesh, program, (split, replicated, updated, flat_out[a + b + c :]))
         else:
             # Across processes: the compiled step with its agreement (`ProcessGroup`),
             # as `run` runs it.
@@ -1277,6 +1295,7 @@ class CompiledRunner:
         plan.dispatch = _Dispatch(
             spec=spec,
             types=tuple(type(a) for a in args) if simple else None,
+            template=None if simple or kwargs else _template(args, flat),
             devices=devices,
             kinds=kinds,
             avals=avals,
@@ -1288,45 +1307,49 @@ class CompiledRunner:
 
     def _direct_inputs(
         self, plan: _Plan, dispatch: _Dispatch, flat: Sequence[Any], mesh: _Mesh
-    ) -> bool:
-        """Brings ``plan.inputs`` up to date with core's leaves ``flat``; False: a leaf
-        the direct path does not hand over (``plan`` is then still consistent)."""
+    ) -> list[int] | None:
+        """Brings ``plan.inputs`` up to date with core's leaves ``flat``, and returns
+        the input slots that hold an earlier call's result whole (`_Result`), which the
+        plan keeps no longer than this call; None: a leaf the direct path does not hand
+        over (``plan`` is then still consistent)."""
         refs = plan.refs
         slots = plan.slots
         n = len(mesh.devices)
+        whole: list[int] = []
         for i, x in enumerate(flat):
             kind = dispatch.kinds[i]
             if kind == _D_SAME:
                 if refs[i][0]() is not x:
-                    return False
+                    return None
                 continue
             if kind == _D_ARRAY:
                 if refs[i][0]() is x:
                     continue
                 if not isinstance(x, jax.Array) or is_tracer(x) or _aval(x) != dispatch.avals[i]:
-                    return False
+                    return None
                 placed = self._replicated(x, mesh)
                 ref = _ref(x)
                 refs[i] = [ref] * n
             else:
                 if not isinstance(x, DistributedValues) or x._select_whole:
-                    return False
+                    return None
                 source = component_source(x)
-                if source is not None:
-                    if source is dispatch.held[i]:
-                        continue
-                    if type(source) is _Result:
-                        placed = source.input_for(mesh, dispatch.avals[i])
-                        if placed is not None:  # a result of an earlier call, whole
+                if type(source) is _Result:
+                    placed = source.input_for(mesh, dispatch.avals[i])
+                    if placed is not None:  # a result of an earlier call, whole
+                        if refs[i][0] is not _UNKNOWN:
                             refs[i] = [_UNKNOWN] * n
-                            dispatch.held[i] = source
-                            plan.inputs[slots[i]] = placed  # type: ignore[index]
-                            continue
+                        dispatch.held[i] = None
+                        slot = slots[i]
+                        assert slot is not None, "an array leaf is a program input"
+                        plan.inputs[slot] = placed
+                        whole.append(slot)
+                        continue
                 values = x._values
                 if values is dispatch.held[i]:
                     continue
                 if len(values) != n:
-                    return False
+                    return None
                 if all(r() is v for r, v in zip(refs[i], values, strict=True)):
                     dispatch.held[i] = values  # the components the plan's input holds
                     continue
@@ -1340,14 +1363,14 @@ class CompiledRunner:
                 else:
                     placed = _direct_replica(values, dispatch.avals[i], mesh)
                 if placed is None:
-                    return False
+                    return None
                 # `run` (`_reuse`) classifies such a column again; here ``held`` finds it.
                 refs[i] = [_UNKNOWN] * n
                 dispatch.held[i] = values
             slot = slots[i]
             assert slot is not None, "an array leaf is a program input"
             plan.inputs[slot] = placed
-        return True
+        return whole
 
     def _local_call(
         self, program: _Program, inputs: list[Any], n_variables: int, mesh: _Mesh
@@ -1403,7 +1426,7 @@ class CompiledRunner:
         a, b, c, _ = program.counts
         return flat[:a], flat[a : a + b], flat[a + b : a + b + c], flat[a + b + c :]
 
-    def _throttle(self, mesh: _Mesh, outputs: Any) -> None:
+    def _throttle(self, mesh: _Mesh, program: _Program, outputs: Any) -> None:
         """On XLA:CPU, waits for the step before last before returning.
 
         Its in-process all-reduce runs one thread per device on a shared pool: with
@@ -1412,15 +1435,25 @@ class CompiledRunner:
         the process after 40 s ("only 7 of them arrived"; plain jit(shard_map(psum))
         does the same). Two steps in flight keep dispatch ahead of compute.
         """
-        if not _throttled(mesh):
+        if not mesh.throttled:
             return
         split, replicated, updated, checks = outputs
-        # Not an updated variable's array: the next step may donate it.
-        leaves = split or replicated or checks or updated
-        if not leaves:
+        # Not an updated variable's array (the next step may donate it), and the
+        # smallest output: what it holds lives two steps longer (a parameter passed
+        # back in would be freed that much later).
+        leaves = [*split, *replicated, *checks]
+        if leaves:
+            index = program.wait
+            if index is None or index >= len(leaves):
+                sizes = [x.size for x in leaves]
+                index = program.wait = sizes.index(min(sizes))
+            leaf = leaves[index]
+        elif updated:
+            leaf = updated[0]
+        else:
             return
         with self._lock:
-            self._in_flight.append(leaves[0])
+            self._in_flight.append(leaf)
             oldest = (
                 self._in_flight.popleft() if len(self._in_flight) > _CPU_STEPS_IN_FLIGHT else None
             )
@@ -2301,6 +2334,46 @@ def _leaf_types(args: tuple[Any, ...], types: tuple[type, ...] | None) -> bool:
     return types is not None and tuple(map(type, args)) == types
 
 
+def _template(args: tuple[Any, ...], flat: list[Any]) -> tuple[Any, ...] | None:
+    """`_Dispatch.template` of core's leaves ``flat`` of ``(args, {})``, if each argument
+    is a leaf or a list or tuple (exactly) of leaves; else None."""
+    template: list[Any] = []
+    position = 0
+    for a in args:
+        if position < len(flat) and flat[position] is a:
+            template.append(type(a))
+            position += 1
+            continue
+        if type(a) not in (list, tuple):
+            return None
+        items = flat[position : position + len(a)]
+        if len(items) != len(a) or not all(map(operator.is_, items, a)):
+            return None
+        template.append((type(a), tuple(map(type, a))))
+        position += len(a)
+    return tuple(template) if position == len(flat) else None
+
+
+def _flat_args(args: tuple[Any, ...], template: tuple[Any, ...]) -> list[Any] | None:
+    """Core's leaves of ``(args, {})``, without flattening, when ``args`` fit
+    ``template`` (the same leaf types, the same lists and tuples of them): the types
+    decide what a leaf is, so the structure is the one the template was made from."""
+    if len(args) != len(template):
+        return None
+    flat: list[Any] = []
+    for a, kind in zip(args, template):
+        if type(kind) is tuple:
+            cls, types = kind
+            if type(a) is not cls or tuple(map(type, a)) != types:
+                return None
+            flat.extend(a)
+        elif type(a) is kind:
+            flat.append(a)
+        else:
+            return None
+    return flat
+
+
 def _direct_replica(values: tuple[Any, ...], aval: Any, mesh: _Mesh) -> Any:
     """The program input of a distributed value's components, if each is an array of
     the plan's shape and dtype on its replica's device (else None)."""
@@ -2358,6 +2431,11 @@ def _deferred_result(
     """`_direct_result` with each per-replica result a `deferred` ``PerReplica`` of its
     global array (`_Result`): not split per replica unless read."""
     scalars = _scalars(program)
+    blocks = program.blocks
+    if blocks is None:  # each split output's per-replica block, as an input leaf's aval
+        blocks = program.blocks = [
+            None if i in scalars else _block_aval(g, mesh) for i, g in enumerate(split)
+        ]
     leaves: list[Any] = []
     for how, index, obj in dispatch.outputs:
         is_split = obj == "split"
@@ -2368,9 +2446,11 @@ def _deferred_result(
                 # (`_rank0_outputs`): handed out now (the array itself is no true
                 # replicated value, so it never leaves here).
                 leaves.append(PerReplica(mesh.parts(array)))
+            elif is_split:
+                source = _Result(array, mesh, index in scalars, True, blocks[index])
+                leaves.append(deferred(PerReplica, source))
             else:
-                scalar = is_split and index in scalars
-                leaves.append(deferred(PerReplica, _Result(array, mesh, scalar, is_split)))
+                leaves.append(deferred(PerReplica, _Result(array, mesh, False, False)))
         elif how == _R_FIRST:
             array = (split if is_split else replicated)[index]
             part = _shards(array, mesh)[0]
@@ -2412,6 +2492,15 @@ def _rank0_outputs(run: Callable[..., Any], program: _Program, mesh: _Mesh) -> C
     return with_rank0
 
 
+def _block_aval(array: Any, mesh: _Mesh) -> Any:
+    """``_aval`` of each replica's block of ``array``, split over ``mesh``'s replicas
+    (every process's: the array is global); None for a rank-0 array."""
+    shape, dtype = _aval(array)
+    if not shape or shape[0] % mesh.replicas:
+        return None
+    return ((shape[0] // mesh.replicas, *shape[1:]), dtype)
+
+
 def _copy(x: Any) -> Any:
     """A copy of ``x`` with its sharding (a new buffer, safe to donate)."""
     return jnp.array(x, copy=True)
@@ -2440,13 +2529,18 @@ class _Result:
     source): split into each replica's array only when something reads its
     components, and passed back into a later call as the global array it is."""
 
-    __slots__ = ("array", "mesh", "scalar", "split")
+    __slots__ = ("array", "block", "mesh", "scalar", "split")
 
-    def __init__(self, array: Any, mesh: _Mesh, scalar: bool, split: bool) -> None:
+    def __init__(
+        self, array: Any, mesh: _Mesh, scalar: bool, split: bool, block: Any = None
+    ) -> None:
         self.array = array
         self.mesh = mesh
         self.scalar = scalar  # each replica's value is rank 0 (the array is [n])
         self.split = split  # split over the replicas (else replicated on each)
+        # A replica's block as `_aval` gives it, when split and not rank 0 (None: found
+        # from ``array`` when asked).
+        self.block = block
 
     def components(self) -> list[Any]:
         parts = _shards(self.array, self.mesh)
@@ -2457,11 +2551,10 @@ class _Result:
         ``mesh`` (itself, when split the same way), else None."""
         if not self.split or self.scalar or mesh is not self.mesh or not aval[0]:
             return None
-        shape, dtype = _aval(self.array)
-        n = mesh.replicas  # every process's: the array is global
-        if dtype != aval[1] or not shape or shape[0] != n * aval[0][0] or shape[1:] != aval[0][1:]:
-            return None
-        return self.array
+        block = self.block
+        if block is None:
+            block = self.block = _block_aval(self.array, mesh)
+        return self.array if block == aval else None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as its components (a mesh is this process's).
