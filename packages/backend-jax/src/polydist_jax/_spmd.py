@@ -1093,17 +1093,16 @@ class CompiledRunner:
         """
         _call.uneven = None
         group = self._group() if self._group is not None else None
-        strategy = replicas.strategy
-        if strategy is None:
-            return NOT_HANDLED
-        extended = strategy.extended
         last = self._last_plans
-        if last is not None and last[0]() is extended:
+        if last is not None and last[0]() is replicas:
             plans: collections.OrderedDict[Any, _Plan] | None = last[1]
-        else:
-            plans = self._plans.get(extended)
+        else:  # (core builds a strategy's run group once: it stands for the strategy)
+            strategy = replicas.strategy
+            if strategy is None:
+                return NOT_HANDLED
+            plans = self._plans.get(strategy.extended)
             if plans is not None:
-                self._last_plans = (weakref.ref(extended), plans)
+                self._last_plans = (weakref.ref(replicas), plans)
         plan = plans.get(fn) if plans is not None else None
         if plan is None or not plan.direct:
             return NOT_HANDLED
@@ -1115,7 +1114,7 @@ class CompiledRunner:
             or plan.x64 != x64_enabled()
         ):
             return NOT_HANDLED
-        if not _closure_unchanged(plan):
+        if plan.closure and not _closure_unchanged(plan):
             return NOT_HANDLED
         dispatch = plan.dispatch
         flat: Sequence[Any]
@@ -1163,7 +1162,7 @@ class CompiledRunner:
                 if not alone[i - offset]:
                     inputs[i] = _copy(inputs[i])
         else:
-            inputs = _ordered([], plan.inputs)
+            inputs = list(plan.inputs) if whole else plan.inputs  # (the program keeps none)
         for slot in whole:
             # An earlier call's result, passed in whole: held by this call's inputs
             # only, so that it is freed when the caller drops it (as the arrays of a
@@ -1172,7 +1171,8 @@ class CompiledRunner:
         checked = bool(program.dirty) and self._checks(program, mesh)
         first_calls = program.calls < CHECK_AT_ONCE
         program.calls += 1
-        self._divergence.poll()
+        if self._divergence._queue:  # earlier steps' checks (`poll`)
+            self._divergence.poll()
         if group is None:
             flat_out = program.local(*inputs)
             a, b, c, _ = program.counts
@@ -1222,6 +1222,10 @@ class CompiledRunner:
             return expected
         if program.single is not None:
             # One device: the outputs are single-device arrays, rank 0 as returned.
+            if dispatch.leaf:
+                how, index, obj = dispatch.outputs[0]
+                if how in (_R_PARTS, _R_FIRST):  # fn returned one array, this one
+                    return (split if obj == "split" else replicated)[index]
             split_parts = [[g] for g in split]
             replicated_parts = [[g] for g in replicated]
             return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
