@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -811,3 +812,110 @@ def test_global_arrays_and_their_shards_are_jax_s_own(reverse: bool) -> None:
     keys = [jax.device_put(jax.random.key(r)[None], d) for r, d in enumerate(devices)]
     joined = mesh.assemble(keys)  # an extended dtype: JAX's own function builds it
     assert joined.shape == (N,) and jax.dtypes.issubdtype(joined.dtype, jax.dtypes.extended)
+
+
+def test_rank0_results_come_out_per_device_with_no_reshape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A per-replica rank-0 result (a loss) is each replica's own rank-0 array as the
+    # program leaves it: reading it dispatches no reshape per device after the step.
+    strategy, backend = make()
+
+    def step(w: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return w - ctx.all_reduce("SUM", x), jnp.sum(x * w), (x * 2)[0]
+
+    w = replicate(strategy, jnp.ones(3))
+    x = on_devices([jnp.arange(3.0) + r for r in range(N)], jax.devices()[:N])
+    reshapes: list[Any] = []
+    original = _spmd._to_scalar
+
+    def counting(*xs: Any) -> Any:
+        reshapes.append(xs)
+        return original(*xs)
+
+    monkeypatch.setattr(_spmd, "_to_scalar", counting)
+    expected_w = np.ones(3)
+    for k in range(4):  # the prepared call, the checked replay, direct calls
+        w, loss, first = strategy.run(step, (w, x))
+        # Small integers: exact in float32 whatever the order of the sums.
+        want_loss = [float(np.sum((np.arange(3.0) + r) * expected_w)) for r in range(N)]
+        expected_w = expected_w - sum(np.arange(3.0) + r for r in range(N))
+        for value, want in ((loss, want_loss), (first, [2.0 * r for r in range(N)])):
+            parts = strategy.experimental_local_results(value)
+            assert [np.shape(p) for p in parts] == [()] * N, k
+            assert [str(p.device) for p in parts] == [str(d) for d in jax.devices()[:N]]
+            assert [float(p) for p in parts] == want, k
+            assert all(p.dtype == jnp.float32 for p in parts)
+        for part in strategy.experimental_local_results(w):
+            assert np.asarray(part).tolist() == expected_w.tolist()
+    assert reshapes == [] and backend.compile_count == 1
+    # Used as any array: summed by reduce, passed to another step per replica.
+    assert float(strategy.reduce("SUM", loss, axis=None)) == sum(want_loss)
+    again = strategy.run(plus_one, (loss,))
+    assert [float(p) for p in again.values] == [v + 1 for v in want_loss]
+
+
+def test_a_result_passed_back_in_is_not_held_after_the_call() -> None:
+    # Parameters passed in and returned: once the caller drops last step's parameters
+    # nothing holds them (a hand-written loop's memory, freed after the next dispatch
+    # rather than by the one after it). (XLA:CPU's in-flight cap holds a step's
+    # smallest output, here the loss, two steps longer.)
+    strategy, _ = make()
+
+    def step(w: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return w - ctx.all_reduce("MEAN", x * w), jnp.sum(x)
+
+    w = replicate(strategy, jnp.ones(3))
+    x = on_devices([jnp.arange(3.0) + r for r in range(N)], jax.devices()[:N])
+    for _ in range(3):  # the prepared call, the checked replay, a direct call
+        w, _ = strategy.run(step, (w, x))
+    expected = np.asarray(w.values[0])
+    for _ in range(3):
+        source = _spmd.component_source(w)
+        assert isinstance(source, _spmd._Result)
+        before = weakref.ref(source.array)
+        del source
+        w, _ = strategy.run(step, (w, x))
+        assert before() is None  # the only reference was the caller's
+        expected = expected - np.mean([(np.arange(3.0) + r) * expected for r in range(N)], 0)
+    for part in w.values:
+        np.testing.assert_allclose(np.asarray(part), expected, rtol=1e-6)
+
+
+def test_lists_of_parameters_are_handed_over_without_flattening(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The getting-started idiom with a list of parameters: a later call whose arguments
+    # are the same lists and tuples of leaves of the same types takes core's leaves as
+    # they are; any other structure is flattened (and traced) as before.
+    strategy, backend = make()
+
+    def step(params: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return [p - ctx.all_reduce("SUM", x) for p in params], jnp.sum(x)
+
+    params = [replicate(strategy, jnp.ones(2)), replicate(strategy, jnp.zeros(2))]
+    x = on_devices([jnp.full(2, float(r)) for r in range(N)], jax.devices()[:N])
+    for _ in range(2):  # the prepared call, the checked replay
+        params, _ = strategy.run(step, (params, x))
+    flattened = count_calls(monkeypatch, _spmd._nest, "flatten")
+    total = float(sum(range(N)))
+    for k in range(3, 6):
+        params, loss = strategy.run(step, (params, x))
+        assert [p.values[1].tolist() for p in params] == [[1 - k * total] * 2, [-k * total] * 2]
+        assert [float(v) for v in loss.values] == [2.0 * r for r in range(N)]
+    assert flattened == [] and backend.compile_count == 1
+    # Other structures: a longer list, a tuple, a leaf of another type.
+    out, _ = strategy.run(step, ([*params, params[0]], x))
+    first, second = [1 - 6 * total] * 2, [-6 * total] * 2
+    assert [p.values[0].tolist() for p in out] == [first, second, first]
+    out, _ = strategy.run(step, (tuple(params), x))
+    assert [p.values[2].tolist() for p in out] == [first, second]
+    out, _ = strategy.run(step, ([params[0], jnp.full(2, 7.0)], x))
+    assert [p.values[3].tolist() for p in out] == [first, [7.0 - total] * 2]
+    assert len(flattened) >= 3

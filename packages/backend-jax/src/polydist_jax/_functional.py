@@ -38,6 +38,7 @@ distributed variable's copies are shown in two *views*:
 from __future__ import annotations
 
 import inspect
+import operator
 import sys
 import threading
 import weakref
@@ -537,22 +538,24 @@ class InputCache:
                 a is None or c <= e for a, c, e in zip(copies, counts, expected, strict=True)
             )
         arrays = storage_arrays(var)
-        if len(held) != len(arrays) or any(a is not b for a, b in zip(held, arrays, strict=True)):
+        if len(held) != len(arrays) or not all(map(operator.is_, held, arrays)):
             return None, False
         counts = _refcounts(arrays)
         if baseline is None:
             # Stored by someone else (creation, an assign outside run): each copy held by
             # its component, this cache's key and ``arrays`` only. A copy stored by
             # several components counts once per component: more than expected, not ours.
-            return global_array, all(c <= _ALONE + 2 for c in counts)
-        return global_array, all(c <= b for c, b in zip(counts, baseline, strict=True))
+            return global_array, max(counts) <= _ALONE + 2
+        return global_array, all(map(operator.le, counts, baseline))
 
     def clear(self) -> None:
         self._cache.clear()
 
 
 def _refcounts(arrays: list[Any]) -> tuple[int, ...]:
-    return tuple(sys.getrefcount(a) for a in arrays)
+    # Each count includes the references this call makes; every count compared with
+    # another comes from here.
+    return tuple(map(sys.getrefcount, arrays))
 
 
 #: An `InputCache` entry whose copies are deferred (`put_deferred`).

@@ -534,6 +534,8 @@ class _Program:
     counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # split, replicated, updated, checks
     calls: int = 0  # calls so far (which ones check divergence: `CompiledRunner._checks`)
     scalars: list[int] | None = None  # the split outputs of rank 0 (`_parts`)
+    wait: int | None = None  # the output `CompiledRunner._throttle` waits on
+    blocks: list[Any] | None = None  # per split output, its block's aval (`_Result`)
 
 
 class _Strong:
@@ -605,6 +607,9 @@ class _Dispatch:
 
     spec: Any  # core's structure of (args, kwargs)
     types: tuple[type, ...] | None  # each argument's type, when every one is a leaf
+    # Per argument, its type if a leaf, else (list or tuple, its items' types) when
+    # every argument is a leaf or a list or tuple of leaves (`_flat_args`).
+    template: tuple[Any, ...] | None
     devices: tuple[str, ...]
     kinds: list[int]  # per leaf: _D_SAME | _D_ARRAY | _D_REPLICA
     avals: list[Any]  # per leaf: (shape, dtype) of its per-replica block / shared array
@@ -1043,8 +1048,8 @@ class CompiledRunner:
                 if traced or program.created or any(is_tracer(x) for x in inputs):
                     outputs = program.jitted(*inputs)
                 else:
-                    outputs = self._local_call(program, inputs, len(call_variables))
-                self._throttle(mesh, outputs)
+                    outputs = self._local_call(program, inputs, len(call_variables), mesh)
+                self._throttle(mesh, program, outputs)
             else:
                 # Compiled ahead (outside the cluster's bound: a compile is no hang),
                 # then run with every cross-process wait bounded; the program's first
@@ -1105,17 +1110,16 @@ class CompiledRunner:
         """
         _call.uneven = None
         group = self._group() if self._group is not None else None
-        strategy = replicas.strategy
-        if strategy is None:
-            return NOT_HANDLED
-        extended = strategy.extended
         last = self._last_plans
-        if last is not None and last[0]() is extended:
+        if last is not None and last[0]() is replicas:
             plans: collections.OrderedDict[Any, _Plan] | None = last[1]
-        else:
-            plans = self._plans.get(extended)
+        else:  # (core builds a strategy's run group once: it stands for the strategy)
+            strategy = replicas.strategy
+            if strategy is None:
+                return NOT_HANDLED
+            plans = self._plans.get(strategy.extended)
             if plans is not None:
-                self._last_plans = (weakref.ref(extended), plans)
+                self._last_plans = (weakref.ref(replicas), plans)
         plan = plans.get(fn) if plans is not None else None
         if plan is None or not plan.direct:
             return NOT_HANDLED
@@ -1127,12 +1131,19 @@ class CompiledRunner:
             or plan.x64 != x64_enabled()
         ):
             return NOT_HANDLED
-        if not _closure_unchanged(plan):
+        if plan.closure and not _closure_unchanged(plan):
             return NOT_HANDLED
         dispatch = plan.dispatch
         flat: Sequence[Any]
         if dispatch is not None and not kwargs and _leaf_types(args, dispatch.types):
             flat = args  # each argument a leaf, of the types it had: core's flat leaves
+        elif (
+            dispatch is not None
+            and not kwargs
+            and dispatch.template is not None
+            and (shallow := _flat_args(args, dispatch.template)) is not None
+        ):
+            flat = shallow  # lists or tuples of leaves, as they were: core's flat leaves
         else:
             flat, spec = _nest.flatten((args, kwargs))
             if dispatch is None:
@@ -1144,7 +1155,8 @@ class CompiledRunner:
         if replicas.devices is not dispatch.devices and replicas.devices != dispatch.devices:
             return NOT_HANDLED
         mesh = plan.mesh
-        if not self._direct_inputs(plan, dispatch, flat, mesh):
+        whole = self._direct_inputs(plan, dispatch, flat, mesh)
+        if whole is None:
             return NOT_HANDLED
         variables: list[Variable] = []
         cache = self._variable_inputs
@@ -1167,11 +1179,17 @@ class CompiledRunner:
                 if not alone[i - offset]:
                     inputs[i] = _copy(inputs[i])
         else:
-            inputs = _ordered([], plan.inputs)
+            inputs = list(plan.inputs) if whole else plan.inputs  # (the program keeps none)
+        for slot in whole:
+            # An earlier call's result, passed in whole: held by this call's inputs
+            # only, so that it is freed when the caller drops it (as the arrays of a
+            # hand-written loop are), not when a later call replaces it here.
+            plan.inputs[slot] = None
         checked = bool(program.dirty) and self._checks(program, mesh)
         first_calls = program.calls < CHECK_AT_ONCE
         program.calls += 1
-        self._divergence.poll()
+        if self._divergence._queue:  # earlier steps' checks (`poll`)
+            self._divergence.poll()
         early = False
         if group is None:
             flat_out = program.local(*inputs)
@@ -1180,7 +1198,7 @@ class CompiledRunner:
             replicated, updated = flat_out[a : a + b], flat_out[a + b : a + b + c]
             tracing = bool(flat_out) and is_tracer(flat_out[0])  # inside an outer trace
             if not tracing and mesh.throttled:
-                self._throttle(mesh, (split, replicated, updated, flat_out[a + b + c :]))
+                self._throttle(mesh, program, (split, replicated, updated, flat_out[a + b + c :]))
         else:
             # Across processes: the compiled step with its agreement (`ProcessGroup`),
             # as `run` runs it.
@@ -1233,6 +1251,10 @@ class CompiledRunner:
             return expected
         if program.single is not None:
             # One device: the outputs are single-device arrays, rank 0 as returned.
+            if dispatch.leaf:
+                how, index, obj = dispatch.outputs[0]
+                if how in (_R_PARTS, _R_FIRST):  # fn returned one array, this one
+                    return (split if obj == "split" else replicated)[index]
             split_parts = [[g] for g in split]
             replicated_parts = [[g] for g in replicated]
             return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
@@ -1307,6 +1329,7 @@ class CompiledRunner:
         plan.dispatch = _Dispatch(
             spec=spec,
             types=tuple(type(a) for a in args) if simple else None,
+            template=None if simple or kwargs else _template(args, flat),
             devices=devices,
             kinds=kinds,
             avals=avals,
@@ -1318,45 +1341,49 @@ class CompiledRunner:
 
     def _direct_inputs(
         self, plan: _Plan, dispatch: _Dispatch, flat: Sequence[Any], mesh: _Mesh
-    ) -> bool:
-        """Brings ``plan.inputs`` up to date with core's leaves ``flat``; False: a leaf
-        the direct path does not hand over (``plan`` is then still consistent)."""
+    ) -> list[int] | None:
+        """Brings ``plan.inputs`` up to date with core's leaves ``flat``, and returns
+        the input slots that hold an earlier call's result whole (`_Result`), which the
+        plan keeps no longer than this call; None: a leaf the direct path does not hand
+        over (``plan`` is then still consistent)."""
         refs = plan.refs
         slots = plan.slots
         n = len(mesh.devices)
+        whole: list[int] = []
         for i, x in enumerate(flat):
             kind = dispatch.kinds[i]
             if kind == _D_SAME:
                 if refs[i][0]() is not x:
-                    return False
+                    return None
                 continue
             if kind == _D_ARRAY:
                 if refs[i][0]() is x:
                     continue
                 if not isinstance(x, jax.Array) or is_tracer(x) or _aval(x) != dispatch.avals[i]:
-                    return False
+                    return None
                 placed = self._replicated(x, mesh)
                 ref = _ref(x)
                 refs[i] = [ref] * n
             else:
                 if not isinstance(x, DistributedValues) or x._select_whole:
-                    return False
+                    return None
                 source = component_source(x)
-                if source is not None:
-                    if source is dispatch.held[i]:
-                        continue
-                    if type(source) is _Result:
-                        placed = source.input_for(mesh, dispatch.avals[i])
-                        if placed is not None:  # a result of an earlier call, whole
+                if type(source) is _Result:
+                    placed = source.input_for(mesh, dispatch.avals[i])
+                    if placed is not None:  # a result of an earlier call, whole
+                        if refs[i][0] is not _UNKNOWN:
                             refs[i] = [_UNKNOWN] * n
-                            dispatch.held[i] = source
-                            plan.inputs[slots[i]] = placed  # type: ignore[index]
-                            continue
+                        dispatch.held[i] = None
+                        slot = slots[i]
+                        assert slot is not None, "an array leaf is a program input"
+                        plan.inputs[slot] = placed
+                        whole.append(slot)
+                        continue
                 values = x._values
                 if values is dispatch.held[i]:
                     continue
                 if len(values) != n:
-                    return False
+                    return None
                 if all(r() is v for r, v in zip(refs[i], values, strict=True)):
                     dispatch.held[i] = values  # the components the plan's input holds
                     continue
@@ -1370,16 +1397,18 @@ class CompiledRunner:
                 else:
                     placed = _direct_replica(values, dispatch.avals[i], mesh)
                 if placed is None:
-                    return False
+                    return None
                 # `run` (`_reuse`) classifies such a column again; here ``held`` finds it.
                 refs[i] = [_UNKNOWN] * n
                 dispatch.held[i] = values
             slot = slots[i]
             assert slot is not None, "an array leaf is a program input"
             plan.inputs[slot] = placed
-        return True
+        return whole
 
-    def _local_call(self, program: _Program, inputs: list[Any], n_variables: int) -> Any:
+    def _local_call(
+        self, program: _Program, inputs: list[Any], n_variables: int, mesh: _Mesh
+    ) -> Any:
         """Runs ``program`` in this process outside JAX transformations, donating the
         input arrays of the variables it writes.
 
@@ -1407,6 +1436,7 @@ class CompiledRunner:
             )
             run = jaxpr_as_fun(stage.jaxpr)
             if program.single is None:
+                run = _rank0_outputs(run, program, mesh)
                 program.local = jax.jit(run, donate_argnums=program.donated, keep_unused=True)
             else:
                 # One device: results on it as single-device arrays, as users' arrays
@@ -1430,7 +1460,7 @@ class CompiledRunner:
         a, b, c, _ = program.counts
         return flat[:a], flat[a : a + b], flat[a + b : a + b + c], flat[a + b + c :]
 
-    def _throttle(self, mesh: _Mesh, outputs: Any) -> None:
+    def _throttle(self, mesh: _Mesh, program: _Program, outputs: Any) -> None:
         """On XLA:CPU, waits for the step before last before returning.
 
         Its in-process all-reduce runs one thread per device on a shared pool: with
@@ -1439,15 +1469,25 @@ class CompiledRunner:
         the process after 40 s ("only 7 of them arrived"; plain jit(shard_map(psum))
         does the same). Two steps in flight keep dispatch ahead of compute.
         """
-        if not _throttled(mesh):
+        if not mesh.throttled:
             return
         split, replicated, updated, checks = outputs
-        # Not an updated variable's array: the next step may donate it.
-        leaves = split or replicated or checks or updated
-        if not leaves:
+        # Not an updated variable's array (the next step may donate it), and the
+        # smallest output: what it holds lives two steps longer (a parameter passed
+        # back in would be freed that much later).
+        leaves = [*split, *replicated, *checks]
+        if leaves:
+            index = program.wait
+            if index is None or index >= len(leaves):
+                sizes = [x.size for x in leaves]
+                index = program.wait = sizes.index(min(sizes))
+            leaf = leaves[index]
+        elif updated:
+            leaf = updated[0]
+        else:
             return
         with self._lock:
-            self._in_flight.append(leaves[0])
+            self._in_flight.append(leaf)
             oldest = (
                 self._in_flight.popleft() if len(self._in_flight) > _CPU_STEPS_IN_FLIGHT else None
             )
@@ -2261,7 +2301,9 @@ def _parts(
     """Each replica's part of the program's split and replicated outputs."""
     split_parts = [_shards(g, mesh) for g in split]
     replicated_parts = [_shards(g, mesh) for g in replicated]
-    scalars = _scalars(program)
+    # Rank-0 results as ``[1]`` blocks (`program.jitted`'s; `program.local`'s are rank 0
+    # already, `_rank0_outputs`): reshaped on each device.
+    scalars = [i for i in _scalars(program) if split[i].ndim]
     if scalars and not program.squeezed:
         squeezed = _per_device(_to_scalar, [split_parts[i] for i in scalars])
         for i, parts in zip(scalars, squeezed, strict=True):
@@ -2324,6 +2366,46 @@ def _closure_unchanged(plan: _Plan) -> bool:
 
 def _leaf_types(args: tuple[Any, ...], types: tuple[type, ...] | None) -> bool:
     return types is not None and tuple(map(type, args)) == types
+
+
+def _template(args: tuple[Any, ...], flat: list[Any]) -> tuple[Any, ...] | None:
+    """`_Dispatch.template` of core's leaves ``flat`` of ``(args, {})``, if each argument
+    is a leaf or a list or tuple (exactly) of leaves; else None."""
+    template: list[Any] = []
+    position = 0
+    for a in args:
+        if position < len(flat) and flat[position] is a:
+            template.append(type(a))
+            position += 1
+            continue
+        if type(a) not in (list, tuple):
+            return None
+        items = flat[position : position + len(a)]
+        if len(items) != len(a) or not all(map(operator.is_, items, a)):
+            return None
+        template.append((type(a), tuple(map(type, a))))
+        position += len(a)
+    return tuple(template) if position == len(flat) else None
+
+
+def _flat_args(args: tuple[Any, ...], template: tuple[Any, ...]) -> list[Any] | None:
+    """Core's leaves of ``(args, {})``, without flattening, when ``args`` fit
+    ``template`` (the same leaf types, the same lists and tuples of them): the types
+    decide what a leaf is, so the structure is the one the template was made from."""
+    if len(args) != len(template):
+        return None
+    flat: list[Any] = []
+    for a, kind in zip(args, template):
+        if type(kind) is tuple:
+            cls, types = kind
+            if type(a) is not cls or tuple(map(type, a)) != types:
+                return None
+            flat.extend(a)
+        elif type(a) is kind:
+            flat.append(a)
+        else:
+            return None
+    return flat
 
 
 def _direct_replica(values: tuple[Any, ...], aval: Any, mesh: _Mesh) -> Any:
@@ -2392,22 +2474,74 @@ def _deferred_result(
     """`_direct_result` with each per-replica result a `deferred` ``PerReplica`` of its
     global array (`_Result`): not split per replica unless read."""
     scalars = _scalars(program)
+    blocks = program.blocks
+    if blocks is None:  # each split output's per-replica block, as an input leaf's aval
+        blocks = program.blocks = [
+            None if i in scalars else _block_aval(g, mesh) for i, g in enumerate(split)
+        ]
     leaves: list[Any] = []
     for how, index, obj in dispatch.outputs:
+        is_split = obj == "split"
         if how == _R_PARTS:
-            is_split = obj == "split"
             array = (split if is_split else replicated)[index]
-            scalar = is_split and index in scalars
-            leaves.append(deferred(PerReplica, _Result(array, mesh, scalar, is_split)))
+            if is_split and not array.ndim:
+                # Rank 0 per replica, each device's part its replica's value already
+                # (`_rank0_outputs`): handed out now (the array itself is no true
+                # replicated value, so it never leaves here).
+                leaves.append(PerReplica(mesh.parts(array)))
+            elif is_split:
+                source = _Result(array, mesh, index in scalars, True, blocks[index])
+                leaves.append(deferred(PerReplica, source))
+            else:
+                leaves.append(deferred(PerReplica, _Result(array, mesh, False, False)))
         elif how == _R_FIRST:
-            parts = _shards((split if obj == "split" else replicated)[index], mesh)
-            scalar = obj == "split" and index in scalars
-            leaves.append(_scalar_copy(parts[0]) if scalar else parts[0])
+            array = (split if is_split else replicated)[index]
+            part = _shards(array, mesh)[0]
+            scalar = is_split and array.ndim and index in scalars  # a [1] block
+            leaves.append(_scalar_copy(part) if scalar else part)
         else:
             leaves.append(_plain_leaf(how, index, obj, variables, flat))
     if dispatch.leaf:
         return leaves[0]
     return _nest.unflatten(program.out_spec, leaves)
+
+
+def _rank0_outputs(run: Callable[..., Any], program: _Program, mesh: _Mesh) -> Callable[..., Any]:
+    """``run`` (a program's flat function) with its rank-0 per-replica results rank 0 on
+    each device: a ``shard_map`` of that block's reshape, whose output JAX takes to be
+    replicated (``out_specs=P()``, unchecked) while each device holds its own replica's
+    value. Each device's part then is that replica's rank-0 array as it is, where the
+    ``[1]`` block would need a reshape dispatched per device after the step (XLA:CPU
+    ran the MLP step of ``benchmarks/bench_jax.py`` ~3% longer with its loss read so).
+    The global array is no true replicated value: only its parts (`_Mesh.parts`) are
+    ever handed out. One process only (across processes every output is global)."""
+    scalars = _scalars(program)
+    if not scalars or mesh.spans_processes:
+        return run
+    to_rank0: Callable[..., Any] = jax.shard_map(
+        lambda block: jnp.reshape(block, ()),
+        mesh=mesh.mesh,
+        in_specs=pspec(mesh.axis),
+        out_specs=pspec(),
+        check_vma=False,
+    )
+
+    def with_rank0(*args: Any) -> list[Any]:
+        flat = list(run(*args))
+        for i in scalars:  # the split outputs come first
+            flat[i] = to_rank0(flat[i])
+        return flat
+
+    return with_rank0
+
+
+def _block_aval(array: Any, mesh: _Mesh) -> Any:
+    """``_aval`` of each replica's block of ``array``, split over ``mesh``'s replicas
+    (every process's: the array is global); None for a rank-0 array."""
+    shape, dtype = _aval(array)
+    if not shape or shape[0] % mesh.replicas:
+        return None
+    return ((shape[0] // mesh.replicas, *shape[1:]), dtype)
 
 
 def _copy(x: Any) -> Any:
@@ -2438,13 +2572,18 @@ class _Result:
     source): split into each replica's array only when something reads its
     components, and passed back into a later call as the global array it is."""
 
-    __slots__ = ("array", "mesh", "scalar", "split")
+    __slots__ = ("array", "block", "mesh", "scalar", "split")
 
-    def __init__(self, array: Any, mesh: _Mesh, scalar: bool, split: bool) -> None:
+    def __init__(
+        self, array: Any, mesh: _Mesh, scalar: bool, split: bool, block: Any = None
+    ) -> None:
         self.array = array
         self.mesh = mesh
         self.scalar = scalar  # each replica's value is rank 0 (the array is [n])
         self.split = split  # split over the replicas (else replicated on each)
+        # A replica's block as `_aval` gives it, when split and not rank 0 (None: found
+        # from ``array`` when asked).
+        self.block = block
 
     def components(self) -> list[Any]:
         parts = _shards(self.array, self.mesh)
@@ -2455,11 +2594,10 @@ class _Result:
         ``mesh`` (itself, when split the same way), else None."""
         if not self.split or self.scalar or mesh is not self.mesh or not aval[0]:
             return None
-        shape, dtype = _aval(self.array)
-        n = mesh.replicas  # every process's: the array is global
-        if dtype != aval[1] or not shape or shape[0] != n * aval[0][0] or shape[1:] != aval[0][1:]:
-            return None
-        return self.array
+        block = self.block
+        if block is None:
+            block = self.block = _block_aval(self.array, mesh)
+        return self.array if block == aval else None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as its components (a mesh is this process's).

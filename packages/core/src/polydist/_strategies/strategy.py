@@ -147,7 +147,13 @@ class StrategyExtended(ExtendedVariablesMixin):
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        execution = self._run_execution()
+        execution = self._run_execution_cache
+        if (
+            execution is None
+            or execution.group.devices is not self._devices
+            or not _plain_run_devices(type(self))
+        ):
+            execution = self._run_execution()
         tracing = _trace.is_tracing()
         if execution.direct is not None and not tracing:
             # A compiled backend's answer for a call it has run before (it replays what
@@ -460,7 +466,7 @@ class Strategy:
         every replica comes back as it is, others come back as ``PerReplica``;
         lists, tuples, namedtuples and dicts keep their types.
         """
-        if not isinstance(args, list | tuple):
+        if type(args) is not tuple and not isinstance(args, (list, tuple)):
             raise ValueError(
                 "Positional args to Strategy.run must be a list or tuple, got "
                 f"{type(args).__name__}: {args!r}. Wrap a single argument as args=(x,)."
@@ -468,7 +474,12 @@ class Strategy:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"kwargs to Strategy.run must be a dict, got {type(kwargs).__name__}.")
         cls = type(self)
-        if cls.scope is not Strategy.scope or cls._scope_impl is not Strategy._scope_impl:
+        plain = _PLAIN_SCOPE.get(cls)
+        if plain is None:
+            plain = _PLAIN_SCOPE[cls] = (
+                cls.scope is Strategy.scope and cls._scope_impl is Strategy._scope_impl
+            )
+        if not plain:
             with self.scope():
                 return self._extended.call_for_each_replica(fn, args, kwargs)
         # `_scope_impl` inlined (run is the per-step path: two generator context managers
@@ -478,7 +489,16 @@ class Strategy:
             return self._run_replicas(fn, args, kwargs)
         token = _context.push_cross_replica_mode(self)
         try:
-            return self._run_replicas(fn, args, kwargs)
+            # `_run_replicas` inlined: the same calls, one frame less per step.
+            extended = self._extended
+            if type(extended).call_for_each_replica is not StrategyExtended.call_for_each_replica:
+                return extended.call_for_each_replica(fn, args, kwargs)
+            _check_callable(fn, "fn", "strategy.run(fn, args=(...))")
+            return extended._call_for_each_replica(
+                fn,
+                args if type(args) is tuple else tuple(args),
+                {} if kwargs is None else dict(kwargs),
+            )
         finally:
             _context.leave_mode(token)
 
@@ -694,6 +714,25 @@ def _per_replica_args(
             leaves[i] = flat[i].values[r]
         out.append(_nest.unflatten(spec, leaves))
     return out
+
+
+#: Per Strategy class: whether it keeps Strategy's scope (`Strategy.run` inlines it).
+_PLAIN_SCOPE: dict[type, bool] = {}
+#: Per StrategyExtended class: whether its run's devices are ``_devices`` itself.
+_PLAIN_RUN_DEVICES: dict[type, bool] = {}
+
+
+def _plain_run_devices(cls: type[StrategyExtended]) -> bool:
+    """Whether ``cls`` runs on ``_devices`` as `StrategyExtended` does (neither
+    ``_run_devices`` nor ``worker_devices`` overridden): a cached run execution whose
+    group is on those very devices is then current (`StrategyExtended._run_execution`)."""
+    plain = _PLAIN_RUN_DEVICES.get(cls)
+    if plain is None:
+        plain = _PLAIN_RUN_DEVICES[cls] = (
+            cls._run_devices is StrategyExtended._run_devices
+            and cls.worker_devices is StrategyExtended.worker_devices
+        )
+    return plain
 
 
 def _check_callable(fn: Any, name: str, usage: str) -> None:

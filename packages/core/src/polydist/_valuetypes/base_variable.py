@@ -9,9 +9,11 @@ a variable's stored arrays. The module docstring of
 
 from __future__ import annotations
 
+import operator
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -177,13 +179,16 @@ def deferred_storage(variable: Variable, source: StorageSource) -> list[Any] | N
     """None unless every component's storage still comes from ``source`` (no write since
     :func:`defer_storage`); else each component's array if it was read since, None if
     not (nothing outside the source holds it yet)."""
-    arrays: list[Any] = []
-    for c in _components(variable):
-        state = c.__dict__
-        if state.get("_pending") is not source:
-            return None
-        arrays.append(state.get("_array"))
-    return arrays
+    # map over the components' dicts: a compiled step asks this of every variable it
+    # takes, each step (no interpreted loop per component).
+    states = [c.__dict__ for c in _components(variable)]
+    if not all(map(operator.is_, map(_PENDING, states), repeat(source))):
+        return None
+    return list(map(_ARRAY, states))
+
+
+_PENDING = operator.methodcaller("get", "_pending")
+_ARRAY = operator.methodcaller("get", "_array")
 
 
 def _components(variable: Variable) -> tuple[Variable, ...]:
