@@ -526,16 +526,19 @@ class _Cluster(mp.ClusterMembership):
         shape = (self.world_size * block.shape[0], *block.shape[1:])
         return jax.make_array_from_single_device_arrays(shape, self.split, [block])
 
+    def _arm(self, what: str, probe: Callable[[], str | None] | None = None) -> int:
+        """The watchdog, armed for the next collective, ``what`` (``probe``: see `arm`);
+        what `_Watchdog.disarm` takes."""
+        n = self.collectives + 1
+        return _watchdog().arm(self.timeout, lambda: self._late_message(what, n), probe)
+
     @contextlib.contextmanager
     def _watched(self, what: str, probe: Callable[[], str | None] | None = None) -> Iterator[None]:
-        """The watchdog, armed for the next collective, ``what`` (``probe``: see `arm`)."""
-        n = self.collectives + 1
-        watchdog = _watchdog()
-        armed = watchdog.arm(self.timeout, lambda: self._late_message(what, n), probe)
+        armed = self._arm(what, probe)
         try:
             yield
         finally:
-            watchdog.disarm(armed)
+            _watchdog().disarm(armed)
 
     def _run(
         self, what: str, fn: Callable[[], Any], probe: Callable[[], str | None] | None = None
@@ -543,8 +546,11 @@ class _Cluster(mp.ClusterMembership):
         def completed() -> Any:
             return jax.block_until_ready(fn())  # type: ignore[no-untyped-call]
 
-        with self._watched(what, probe):
+        armed = self._arm(what, probe)  # not `_watched`: no generator's frames per step
+        try:
             return self.call(what, completed)
+        finally:
+            _watchdog().disarm(armed)
 
     def check(
         self,

@@ -309,7 +309,8 @@ class _Mesh:
             else jax.device_put(value, d)
             for d, single in zip(self.devices, self.single, strict=True)
         ]
-        return _global_array(tuple(np.shape(value)), self.replicated, copies)
+        shape = value.shape if isinstance(value, jax.Array) else np.shape(value)
+        return _global_array(tuple(shape), self.replicated, copies)
 
 
 # --------------------------------------------------------------------------- signatures
@@ -1924,7 +1925,11 @@ class CompiledRunner:
         hit = self._placed.get(key)
         if hit is not None and hit[0]() is value and hit[1] is mesh:
             return value if hit[2] is None else hit[2]
-        placed = value if value.sharding == mesh.replicated else mesh.replicate(value)
+        sharding = value.sharding
+        if mesh.spans_processes and type(sharding) is SingleDeviceSharding:
+            placed = mesh.replicate(value)  # never the cross-process sharding: not compared
+        else:
+            placed = value if sharding == mesh.replicated else mesh.replicate(value)
         placed_self = placed is value
 
         def drop(ref: weakref.ref[Any], key: int = key) -> None:
