@@ -421,3 +421,30 @@ def test_across_processes_packed_sums_equal_unpacked_ones_bit_for_bit(bytes_per_
     # Packed indeed: fewer all-reduces than arrays.
     packed_ops = program(True).lower(*stacked).as_text().count("stablehlo.all_reduce")
     assert packed_ops < program(False).lower(*stacked).as_text().count("stablehlo.all_reduce")
+
+
+@pytest.mark.parametrize("shape", [(), (3,)], ids=["rank0", "vector"])
+def test_reduce_of_run_results_moves_them_in_one_transfer(
+    strategies: tuple[pd.Strategy, pd.Strategy], shape: tuple[int, ...], monkeypatch: Any
+) -> None:
+    # A training loop's strategy.reduce of its loss each step: the components on other
+    # devices reach the destination in one batched device_put, and the sum is the sim's
+    # bit for bit (replica order).
+    rng = np.random.default_rng(3)
+    values = [rng.normal(size=shape).astype(np.float32) * 10.0**r for r in range(N)]
+
+    calls: list[Any] = []
+    put = jax.device_put
+
+    def program(strategy: pd.Strategy) -> Any:
+        per_replica = distribute(strategy, values)
+        for _ in range(3):  # a direct call's results too
+            out = strategy.run(lambda x: x * 3, (per_replica,))
+        monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a) or put(*a, **k))
+        reduced = [strategy.reduce(op, out, axis=None) for op in ("SUM", "MEAN")]
+        monkeypatch.undo()
+        return reduced
+
+    got = program(strategies[0])
+    assert len(calls) == 2  # one per reduce (SUM, MEAN), not one per replica
+    assert_results_match(got, program(strategies[1]))

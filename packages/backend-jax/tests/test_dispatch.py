@@ -3,6 +3,7 @@ placing an input once, the deferred divergence check. Values, never timings."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 import warnings
 import weakref
@@ -27,7 +28,7 @@ def make(n: int = N) -> tuple[pd.Strategy, JaxBackend]:
 
 def cached_input(backend: JaxBackend, v: Any) -> Any:
     """The global array the next run passes for ``v`` (the runner's input cache)."""
-    return backend._compiled._variable_inputs._cache[v][1]
+    return backend._compiled._variable_inputs._cache[id(v)][1]
 
 
 def add_one(v: Any) -> Any:
@@ -919,3 +920,28 @@ def test_lists_of_parameters_are_handed_over_without_flattening(
     out, _ = strategy.run(step, ([params[0], jnp.full(2, 7.0)], x))
     assert [p.values[3].tolist() for p in out] == [first, [7.0 - total] * 2]
     assert len(flattened) >= 3
+
+
+def bump(w: Any) -> Any:
+    return w.assign_add(np.ones(3, np.float32), read_value=False)
+
+
+def test_the_input_cache_forgets_a_variable_once_it_is_gone() -> None:
+    # Entries are keyed by the variable's id while it lives: a variable made later at
+    # the same address never finds another's copies.
+    strategy, backend = make()
+    cache = backend._compiled._variable_inputs
+    with strategy.scope():
+        v = pd.Variable(np.zeros(3, np.float32))
+    for _ in range(3):
+        strategy.run(bump, (v,))
+    key = id(v)
+    assert key in cache._cache
+    del v
+    gc.collect()
+    assert key not in cache._cache and key not in cache._refs
+    with strategy.scope():
+        w = pd.Variable(np.full(3, 5.0, np.float32))
+    for _ in range(2):
+        strategy.run(bump, (w,))
+    assert [c.numpy().tolist() for c in w.values] == [[7.0] * 3] * N

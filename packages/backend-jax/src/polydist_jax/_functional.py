@@ -37,6 +37,7 @@ distributed variable's copies are shown in two *views*:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import sys
@@ -467,14 +468,26 @@ class InputCache:
     """
 
     def __init__(self) -> None:
-        # var -> (its copies, global array, their references when stored or None), or
-        # (DeferredCopies, global array, _DEFERRED).
-        self._cache: weakref.WeakKeyDictionary[Variable, tuple[Any, Any, Any]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # id(var) -> (its copies, global array, their references when stored or None),
+        # or (DeferredCopies, global array, _DEFERRED); while var lives (`_refs`). By id,
+        # not a WeakKeyDictionary: a step looks up and stores every variable it takes.
+        self._cache: dict[int, tuple[Any, Any, Any]] = {}
+        self._refs: dict[int, weakref.ref[Variable]] = {}
+
+    def _set(self, var: Variable, entry: tuple[Any, Any, Any]) -> None:
+        key = id(var)
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(var, functools.partial(self._drop, key))
+        self._cache[key] = entry
+
+    def _drop(self, key: int, ref: weakref.ref[Variable]) -> None:
+        # The variable is gone (its id may be reused from now on).
+        if self._refs.get(key) is ref:
+            del self._refs[key]
+            self._cache.pop(key, None)
 
     def get(self, var: Variable, arrays: Sequence[Any]) -> Any:
-        hit = self._cache.get(var)
+        hit = self._cache.get(id(var))
         if hit is None:
             return None
         held, global_array, baseline = hit
@@ -485,17 +498,17 @@ class InputCache:
         return global_array
 
     def put(self, var: Variable, arrays: Sequence[Any], global_array: Any) -> None:
-        self._cache[var] = (tuple(arrays), global_array, None)
+        self._set(var, (tuple(arrays), global_array, None))
 
     def put_deferred(self, var: Variable, source: DeferredCopies, global_array: Any) -> None:
         """Records ``global_array`` as ``var``'s input while its copies are still
         ``source``'s (`polydist.backend.tracing.defer_storage`)."""
-        self._cache[var] = (source, global_array, _DEFERRED)
+        self._set(var, (source, global_array, _DEFERRED))
 
     def deferred(self, var: Variable) -> tuple[Any, Any] | None:
         """``(global array, a copy's (shape, dtype))`` while ``var``'s copies are still
         the deferred ones recorded (read or not), else None."""
-        hit = self._cache.get(var)
+        hit = self._cache.get(id(var))
         if hit is None or hit[2] is not _DEFERRED:
             return None
         source = hit[0]
@@ -507,10 +520,10 @@ class InputCache:
         """Records the references ``var``'s copies have now, as the ones of a copy only
         the runner holds: call it right after storing a program's fresh outputs, once
         the caller's own references to them are gone."""
-        hit = self._cache.get(var)
+        hit = self._cache.get(id(var))
         if hit is not None and hit[2] is not _DEFERRED:
             # The copies ``put`` just recorded (a new list: counted as `exclusive` counts).
-            self._cache[var] = (hit[0], hit[1], _refcounts(list(hit[0])))
+            self._cache[id(var)] = (hit[0], hit[1], _refcounts(list(hit[0])))
 
     def exclusive(self, var: Variable) -> bool:
         """Whether only the variable and this cache hold ``var``'s stored copies (no
@@ -520,7 +533,7 @@ class InputCache:
     def lookup(self, var: Variable) -> tuple[Any, bool]:
         """``get`` with ``var``'s stored copies and whether they are `exclusive`, from
         one read of them (the direct path asks both each step)."""
-        hit = self._cache.get(var)
+        hit = self._cache.get(id(var))
         if hit is None:
             return None, False
         held, global_array, baseline = hit
@@ -550,6 +563,7 @@ class InputCache:
 
     def clear(self) -> None:
         self._cache.clear()
+        self._refs.clear()
 
 
 def _refcounts(arrays: list[Any]) -> tuple[int, ...]:

@@ -537,6 +537,10 @@ class _Program:
     scalars: list[int] | None = None  # the split outputs of rank 0 (`_parts`)
     wait: int | None = None  # the output `CompiledRunner._throttle` waits on
     blocks: list[Any] | None = None  # per split output, its block's aval (`_Result`)
+    # Whether the updated variables' copies are stored deferred (`CompiledRunner._store`),
+    # and then each one's copy aval (`_Stored`).
+    store_whole: bool | None = None
+    stored_avals: list[Any] | None = None
 
 
 class _Strong:
@@ -1222,7 +1226,7 @@ class CompiledRunner:
             split, replicated, updated, _ = outputs
             tracing = False
         if updated:
-            self._write_back(program, variables, updated, mesh, False)
+            self._write_back(program, variables, updated, mesh, tracing, concrete=True)
         if checked:
             dirty = [variables[p] for p in program.dirty]
             if not all(getattr(v, "_divergence_warned", False) for v in dirty):
@@ -1769,11 +1773,14 @@ class CompiledRunner:
         updated: list[Any],
         mesh: _Mesh,
         traced: bool,
+        *,
+        concrete: bool = False,
     ) -> None:
-        """Replaces the copies of every variable the call wrote by the program's outputs."""
+        """Replaces the copies of every variable the call wrote by the program's outputs
+        (``concrete``: the caller knows they are no tracers)."""
         if not updated:
             return
-        if traced or any(is_tracer(u) for u in updated):
+        if traced or (not concrete and any(is_tracer(u) for u in updated)):
             raise NotImplementedError(
                 "strategy.run was called inside a JAX transformation (jax.jit, jax.grad, ...) "
                 f"and updated {variables[program.updates[0][0]].name!r}: its new value would be "
@@ -1781,7 +1788,8 @@ class CompiledRunner:
                 "variables in runs called outside JAX transformations, or return the new "
                 "values from fn instead."
             )
-        self._store(program, variables, updated, mesh)
+        if self._store(program, variables, updated, mesh):
+            return  # deferred copies: nothing to count (`InputCache.seal`)
         # Counted once this call's own references to the new copies are gone (`_store`
         # returned): references beyond these are someone else's (`_local_call`).
         for position, _ in program.updates:
@@ -1789,20 +1797,33 @@ class CompiledRunner:
 
     def _store(
         self, program: _Program, variables: list[Variable], updated: list[Any], mesh: _Mesh
-    ) -> None:
+    ) -> bool:
+        """Stores the new copies; True: deferred (`_Stored`), else split per replica."""
         n = len(mesh.devices)
-        if n > 1 and all(
-            isinstance(variables[p], DistributedVariable) and len(variables[p].values) == n
-            for p, _ in program.updates
-        ):
+        whole = program.store_whole  # the same variables (kinds, copies) every call
+        if whole is None:
+            whole = program.store_whole = n > 1 and all(
+                isinstance(variables[p], DistributedVariable) and len(variables[p].values) == n
+                for p, _ in program.updates
+            )
+        if whole:
             # Several devices: each variable's new copies stay the program's output array
             # (the next call's input as it is), a copy split out only when read.
-            for (position, scalar), global_array in zip(program.updates, updated, strict=True):
+            avals = program.stored_avals
+            if avals is None:
+                avals = program.stored_avals = [
+                    _Stored.aval_of(g, mesh, scalar)
+                    for (_, scalar), g in zip(program.updates, updated, strict=True)
+                ]
+            put = self._variable_inputs.put_deferred
+            for (position, scalar), global_array, aval in zip(
+                program.updates, updated, avals, strict=True
+            ):
                 var = variables[position]
-                source = _Stored(global_array, mesh, scalar)
+                source = _Stored(global_array, mesh, scalar, aval)
                 defer_storage(var, source)
-                self._variable_inputs.put_deferred(var, source, global_array)
-            return
+                put(var, source, global_array)
+            return True
         if mesh.single_device:
             # The variable's own array object, not the program's output (the next input):
             # `InputCache.exclusive` counts who else holds the stored copy.
@@ -1818,6 +1839,7 @@ class CompiledRunner:
             var = variables[position]
             swap_storage(var, new)
             self._variable_inputs.put(var, new, global_array)
+        return False
 
     # -- inputs ---------------------------------------------------------------------
     def _classify(
@@ -2619,18 +2641,23 @@ class _Stored:
 
     __slots__ = ("array", "aval", "copies", "expected", "mesh", "parts", "read", "scalar")
 
-    def __init__(self, array: Any, mesh: _Mesh, scalar: bool) -> None:
+    def __init__(self, array: Any, mesh: _Mesh, scalar: bool, aval: Any = None) -> None:
         self.array = array
         self.mesh = mesh
         self.scalar = scalar
         self.parts: list[Any] | None = None
         n = len(mesh.devices)
-        shape, dtype = _aval(array)
-        block = (shape[0] // mesh.replicas, *shape[1:])  # the array spans every process
-        self.aval = ((), dtype) if scalar else (block, dtype)
+        self.aval = self.aval_of(array, mesh, scalar) if aval is None else aval
         self.expected = [0] * n
         self.copies: list[Any] = [None] * n
         self.read = False
+
+    @staticmethod
+    def aval_of(array: Any, mesh: _Mesh, scalar: bool) -> Any:
+        """A copy's ``(shape, (dtype, weak_type))``, the copies being ``array``'s blocks."""
+        shape, dtype = _aval(array)
+        block = (shape[0] // mesh.replicas, *shape[1:])  # the array spans every process
+        return ((), dtype) if scalar else (block, dtype)
 
     def component(self, index: int) -> Any:
         self.read = True

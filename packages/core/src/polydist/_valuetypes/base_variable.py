@@ -9,6 +9,7 @@ a variable's stored arrays. The module docstring of
 
 from __future__ import annotations
 
+import collections
 import operator
 import sys
 import weakref
@@ -162,16 +163,21 @@ def defer_storage(variable: Variable, source: StorageSource) -> None:
     ``r`` stores ``source.component(r)`` the first time its array is read, and keeps it
     until a write replaces it. A compiled backend's new copies, when one program
     output holds them all: none is split out per replica unless read."""
-    for r, c in enumerate(_components(variable)):
-        if c._replica_index != r:
-            raise ValueError(
-                f"defer_storage: component {r} of {variable.name!r} has replica index "
-                f"{c._replica_index}, not {r}: source.component(i) is asked for by that "
-                "index, so deferral needs components in replica order. Store such a "
-                "variable's copies with swap_storage instead."
-            )
-        state = c.__dict__
-        state.pop("_array", None)
+    components = _components(variable)
+    indices = [c._replica_index for c in components]
+    if indices != list(range(len(components))):
+        r = next(r for r, i in enumerate(indices) if i != r)
+        raise ValueError(
+            f"defer_storage: component {r} of {variable.name!r} has replica index "
+            f"{indices[r]}, not {r}: source.component(i) is asked for by that "
+            "index, so deferral needs components in replica order. Store such a "
+            "variable's copies with swap_storage instead."
+        )
+    # A compiled step defers every variable it writes, each step: no interpreted
+    # call per component.
+    states = [c.__dict__ for c in components]
+    collections.deque(map(_DROP_ARRAY, states), maxlen=0)
+    for state in states:
         state["_pending"] = source
 
 
@@ -188,6 +194,7 @@ def deferred_storage(variable: Variable, source: StorageSource) -> list[Any] | N
 
 
 _PENDING = operator.methodcaller("get", "_pending")
+_DROP_ARRAY = operator.methodcaller("pop", "_array", None)
 _ARRAY = operator.methodcaller("get", "_array")
 
 
