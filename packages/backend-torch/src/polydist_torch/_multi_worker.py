@@ -558,8 +558,10 @@ _SUM_OPTIONS.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # RedOpTy
 
 
 def _world() -> Any:
-    """torch.distributed's default process group (the cluster's)."""
-    return dist.distributed_c10d._get_default_group()
+    """torch.distributed's default process group (the cluster's): what
+    ``_get_default_group`` returns, without its checks' calls while there is one."""
+    world = dist.GroupMember.WORLD
+    return world if world is not None else dist.distributed_c10d._get_default_group()
 
 
 #: Dtypes whose sum of presence flags (one 1 per worker) is exact, by torch name.
