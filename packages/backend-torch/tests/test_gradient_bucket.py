@@ -344,3 +344,45 @@ def test_zero_grad_set_to_none_false_keeps_the_buckets_tensors(
                 assert torch.equal(g, 2 * p.grad), seed
     assert isinstance(opt._bucket, _GradientBucket)
     assert modules._TORCH_ZERO_GRAD is torch.optim.Optimizer.zero_grad
+
+
+class Mixed(nn.Module):
+    """float32 and float64 parameters: no one bucket holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(3, 4)
+        self.out = nn.Linear(4, 1).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x)).double()).float()  # type: ignore[no-any-return]
+
+
+def test_mixed_dtypes_sum_through_the_general_path() -> None:
+    """The step's one-replica path falls back to ``ctx.all_reduce`` of the gradients where
+    no bucket can hold them (mixed dtypes): here a strategy of one replica, made to sum
+    as a worker's one replica does, so the sums are the gradients themselves."""
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=TorchBackend())
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(Mixed())
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    opt._alone = False
+    plain = Mixed()
+    plain.load_state_dict(model.state_dict())
+    reference = torch.optim.SGD(plain.parameters(), lr=0.5)
+
+    def step(seed: int) -> None:
+        _backward(model, seed)
+        opt.step()
+        opt.zero_grad()
+
+    for seed in range(2):
+        strategy.run(step, args=(seed,))
+        _backward(plain, seed)
+        reference.step()
+        reference.zero_grad()
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert p.dtype == q.dtype and torch.equal(p.detach(), q.detach()), seed
+    assert opt._bucket is None
+    assert all(p.grad is None for p in model.parameters())
