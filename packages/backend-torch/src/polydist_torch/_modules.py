@@ -841,8 +841,9 @@ class _GradientBucket:
     A training step's host time is the cost here (two worker processes on two cores
     run with no spare CPU, so every torch call and Python frame adds to the step): the
     optimizer's ``zero_grad()`` zeroes the buffer in one call (`clear`) so that the
-    hooks only hand out tensors, and ``step()`` makes three torch calls besides the
-    collective when every gradient was accumulated in place.
+    hooks only hand out tensors, and ``step()`` makes two torch calls besides the
+    collective (the flags set, then read with the presence flag) when every gradient
+    was accumulated in place.
     """
 
     def __init__(
@@ -857,8 +858,8 @@ class _GradientBucket:
         self.flat = torch.empty(0)
         self.grads: list[torch.Tensor] = []
         self.flags = self.marks = self.flat
-        # zeroed[i]: grads[i] holds zeros (the hook need not zero it); `_DIRTY` when none
-        # is known to, a list nothing writes True into.
+        # zeroed[i]: grads[i] holds zeros (the hook need not zero it); `_dirty` when none
+        # is known to (a list nothing writes True into).
         self._dirty = [False] * len(params)
         self.zeroed = self._dirty
         self._allocate()
