@@ -6,7 +6,9 @@ worker. Modes:
 * ``mismatch``: 5 identical steps (a nest all-reduced: from the third on, the check's
   fast path), then worker 0 repeats the step while worker 1 all-reduces something else;
 * ``left``: 5 identical steps, then worker 1 ends while worker 0 repeats the step;
-* ``optimizer``: ``distribute_optimizer``'s gradient bucket against sums written by hand.
+* ``optimizer``: ``distribute_optimizer``'s gradient bucket against sums written by hand;
+* ``bucket_mismatch``: 5 training steps (the bucket's sum, from the third on on the fast
+  path), then worker 0 trains once more while worker 1 all-reduces something else.
 
 A worker that fails writes ``OUT/error<i>.json`` and exits with code 17; one that
 finishes writes ``OUT/done<i>``.
@@ -167,6 +169,27 @@ def optimizer(strategy: pd.Strategy, rank: int, out: Path) -> None:
     (out / f"report{rank}.json").write_text(json.dumps(report))
 
 
+def bucket_mismatch(strategy: pd.Strategy, rank: int) -> None:
+    with strategy.scope():
+        model = polydist_torch.distribute_module(_model())
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(rank)
+
+    def train() -> Any:
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()  # fast path: the bucket
+        opt.zero_grad()
+        return loss.detach()
+
+    for _ in range(5):
+        strategy.run(train)
+    if rank == 1:
+        strategy.run(_other, args=([torch.ones(3, 4)],))
+    else:
+        strategy.run(train)
+
+
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ.get("RANK", "0"))
@@ -177,6 +200,8 @@ def main() -> None:
         )
         if mode == "optimizer":
             optimizer(strategy, rank, out)
+        elif mode == "bucket_mismatch":
+            bucket_mismatch(strategy, rank)
         else:
             steps(strategy, rank, mode)
         (out / f"done{rank}").write_text(f"{time.time()}")

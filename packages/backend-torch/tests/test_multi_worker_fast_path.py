@@ -70,3 +70,22 @@ def test_the_optimizers_gradient_bucket_sums_as_written_by_hand(tmp_path: Path) 
         assert report["same_grad_object"] == [copied, *[same] * 5, copied, same], report
         # The gradients held after step 3 keep their values through steps 4 and 5.
         assert report["kept_intact"] == [[True] * 4] * 2, report
+
+
+def test_a_mismatch_at_the_optimizers_bucket_raises_on_both(tmp_path: Path) -> None:
+    """Worker 0's sixth training step sums its gradient bucket on the fast path (issued at
+    once, no store round trip); worker 1 calls another all_reduce: both raise, naming
+    both calls, and nothing hangs."""
+    assert ENGINE.run(tmp_path, "bucket_mismatch", timeout=120) == [17, 17]
+    # The bucket: each parameter's gradient, then the has-gradient flags (the unused
+    # layer's too).
+    shapes = "[3,5] [3] [1,3] [1] [2,2] [2] [6]"
+    bucket = f"all_reduce(SUM) of 7 float32 arrays packed: {shapes} at {_line('the bucket')}"
+    other = f"all_reduce(SUM) of float32[2,4] at {_line('the other call')}"
+    for rank in range(2):
+        error = mpt.error(tmp_path, rank)
+        assert error["type"] == "CollectiveMismatchError", error
+        message = error["message"]
+        assert message.startswith("Workers disagree on their collective #"), message
+        assert f"): {bucket} in train\n" in message, message
+        assert f"): {other} in _other\n" in message, message

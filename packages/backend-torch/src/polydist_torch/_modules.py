@@ -481,6 +481,10 @@ def _init_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in parameters}
 
 
+#: torch's ``Optimizer.zero_grad`` (an optimizer that does not override it runs it).
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+_profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
+
 #: Float dtypes whose integers are exact up to any replica count polydist runs.
 _EXACT_COUNTS = (torch.float32, torch.float64)
 
@@ -649,7 +653,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "DistributedOptimizer.all_reduce_gradients sums gradients across replicas: "
                 "call it inside strategy.run, on every replica."
             )
-        self._all_reduce_gradients(r)
+        with _GradMode(False):
+            self._all_reduce_gradients(r)
 
     def _all_reduce_gradients(self, r: int) -> None:
         if self._reduced.get(r):
@@ -658,8 +663,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # One replica in sync: the sum is its own gradients, so nothing is copied.
             self._reduced[r] = True
             return
-        ctx = pd.get_replica_context()
-        assert ctx is not None
         params = self._params(r)
         if not params:
             self._reduced[r] = True
@@ -667,6 +670,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if len(self._replicas) == 1 and self._bucket_sum(params):
             self._reduced[r] = True
             return
+        ctx = pd.get_replica_context()
+        assert ctx is not None
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         # The flags travel in the gradients' pack when they share a float dtype that
         # counts replicas exactly: a pack of their own would be a second collective
@@ -708,23 +713,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket = self._bucket = _GradientBucket.build(self._strategy, params)
             if bucket is None:
                 return False
-        bucket.sum(params)
+        bucket.sum(params)  # outside autograd (the callers): a copy in records no history
         return True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """All-reduces the gradients (SUM) and steps this replica's copy (replica context)."""
         if (
-            self._alone
+            len(self._replicas) == 1
             and closure is None
             and not self._optimizer_step_pre_hooks
             and not self._optimizer_step_post_hooks
             and _replica_index(self._strategy, "this DistributedOptimizer") == 0
         ):
-            # One replica in sync, inside run: the sum is its own gradients, so the step
-            # is the wrapped optimizer's, on the very .grad tensors backward() made.
-            self._reduced[0] = False
+            # The process's one replica, inside run (a one-replica strategy, or a worker
+            # process's replica): `_step` without its questions, the per-step path. With one
+            # replica in sync the sum is its own gradients, so the step is the wrapped
+            # optimizer's, on the very .grad tensors backward() made.
             with _GradMode(False):
-                return self._replicas[0].step()
+                self._all_reduce_gradients(0)
+                loss = self._replicas[0].step()
+            self._reduced[0] = False
+            return loss
         # torch.no_grad as a decorator clones its context at every call: a plain one here.
         with _GradMode(False):
             return self._step(closure)
@@ -762,7 +771,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         r = _replica_index(self._strategy, "this DistributedOptimizer")
         if len(self._replicas) == 1:  # inside run or not, the one copy
-            self._replicas[0].zero_grad(set_to_none=set_to_none)
+            opt, bucket = self._replicas[0], self._bucket
+            if bucket is None or not set_to_none:
+                opt.zero_grad(set_to_none=set_to_none)
+            else:
+                if type(opt).zero_grad is _TORCH_ZERO_GRAD and not _profiler_enabled():
+                    # torch's own zero_grad(set_to_none=True), without the profiler range
+                    # it opens (two dispatcher calls per step) when no profiler listens.
+                    for group in opt.param_groups:
+                        for p in group["params"]:
+                            p.grad = None
+                else:
+                    opt.zero_grad(set_to_none=True)
+                bucket.clear()  # the next backward() finds the bucket zeroed
             self._reduced[0] = False
             return
         chosen = self._replicas if r is None else (self._replicas[r],)
@@ -816,6 +837,13 @@ class _GradientBucket:
     kept a gradient of an earlier step (``g = p.grad``, a view, a NumPy array of it),
     the next step takes fresh memory and yours keeps its values. Rebuilt when the
     parameters change (another list, shape, dtype or device).
+
+    A training step's host time is the cost here (two worker processes on two cores
+    run with no spare CPU, so every torch call and Python frame adds to the step): the
+    optimizer's ``zero_grad()`` zeroes the buffer in one call (`clear`) so that the
+    hooks only hand out tensors, and ``step()`` makes two torch calls besides the
+    collective (the flags set, then read with the presence flag) when every gradient
+    was accumulated in place.
     """
 
     def __init__(
@@ -830,6 +858,10 @@ class _GradientBucket:
         self.flat = torch.empty(0)
         self.grads: list[torch.Tensor] = []
         self.flags = self.marks = self.flat
+        # zeroed[i]: grads[i] holds zeros (the hook need not zero it); `_dirty` when none
+        # is known to (a list nothing writes True into).
+        self._dirty = [False] * len(params)
+        self.zeroed = self._dirty
         self._allocate()
         # Hook-installed gradients' versions: unchanged at step() means not accumulated.
         self.installed: dict[int, int] = {}
@@ -849,6 +881,7 @@ class _GradientBucket:
             grads.append(own.set_(flat.untyped_storage(), offset, p.shape, ()))
             offset += p.numel()
         self.flat, self.grads = flat, grads
+        self.zeroed = [True] * k
         self.flags = flat[self.total : self.total + k]
         self.marks = flat[self.total :]  # the flags and the presence flag
         self._storage_uses = _storage_uses(flat)
@@ -888,11 +921,12 @@ class _GradientBucket:
                 return False
         return True
 
-    def private(self) -> None:
+    def private(self) -> bool:
         """Before the bucket writes into its tensors that are not ``p.grad`` (zeroing one
         for autograd, copying a gradient in): if anything else refers to the memory (a
-        gradient of an earlier step the program kept, a view of it), fresh memory. (A
-        tensor that is ``p.grad`` is summed in place, as ``step()`` promises.)"""
+        gradient of an earlier step the program kept, a view of it), fresh memory (zeros),
+        and True. (A tensor that is ``p.grad`` is summed in place, as ``step()``
+        promises.)"""
         self.checked = True
         shared = _storage_uses(self.flat) != self._storage_uses
         grads, params = self.grads, self.params
@@ -904,63 +938,111 @@ class _GradientBucket:
                 shared = sys.getrefcount(own) != self._grad_refs
         if shared:
             self._allocate()  # what the program holds keeps its values
+        return shared
 
-    def install(self, i: int) -> None:
-        """Autograd is about to accumulate parameter ``i``'s gradient (its hook)."""
-        p = self.params[i]
-        shape, dtype, device = self.layout[i]
-        if p.grad is not None or p.dtype != dtype or p.shape != shape or p.device != device:
-            return  # a changed parameter: step() rebuilds the bucket
-        if not self.checked:
-            self.private()
-        own = self.grads[i]
-        own.zero_()
-        self.installed[i] = own._version
-        p.grad = own
+    def clear(self) -> None:
+        """After ``zero_grad()`` set every ``p.grad`` to None: the buffer's gradients
+        zeroed in one call (fresh memory if the program holds any of them), so that the
+        hooks of the next ``backward()`` hand them out as they are."""
+        for p in self.params:
+            if p.grad is not None:
+                return  # set back by a hook or the program: the hooks zero as they go
+        if not self.private():
+            self.flat.zero_()
+            self.zeroed = [True] * len(self.grads)
 
     def sum(self, params: list[torch.Tensor]) -> None:
-        if not self.checked and any(p.grad is not own for p, own in zip(params, self.grads)):
-            self.private()  # about to zero or copy into a tensor that is not p.grad
-        missing: list[int] = []
+        """Sums the gradients over the workers (outside autograd), in place."""
+        grads = self.grads
         installed, self.installed = self.installed, {}
-        with torch.no_grad():
-            for i, (p, own) in enumerate(zip(params, self.grads)):
-                g = p.grad
-                if g is own:
-                    if installed.get(i, -1) == own._version:  # hooked, never accumulated
-                        p.grad = None
-                        missing.append(i)
-                    continue  # accumulated in place by backward()
-                if g is None:
-                    own.zero_()
-                    missing.append(i)
-                else:
-                    if g.is_sparse:
-                        raise NotImplementedError(
-                            "DistributedOptimizer: sparse gradients (nn.Embedding(sparse=True)) "
-                            "cannot be all-reduced yet; use dense gradients."
-                        )
-                    own.copy_(g)
-            self.marks.fill_(1)
-            for i in missing:
-                self.flags[i] = 0
-            self.backend.all_reduce_bucket_(self.flat, self.parts)
-            summed: list[float] = self.flags.tolist()
-            # None: every worker had every gradient (the common case).
-            counts = None if not missing and min(summed) == self._everyone else summed
+        self.zeroed = self._dirty
+        # Every p.grad the bucket's, accumulated into: nothing to write first.
+        fast = _all_own(params, grads)
+        if fast:
+            for i, version in installed.items():
+                if grads[i]._version == version:  # hooked, never accumulated
+                    fast = False
+                    break
+        missing: list[int] = []
+        if not fast:
+            missing = self._gather(params, installed)
+            grads = self.grads  # fresh memory if the program held the old
+        self.marks.fill_(1)
+        for i in missing:
+            self.flags[i] = 0
+        summed = self.backend.all_reduce_bucket_(self.flat, self.parts, self.marks)
         self.checked = False
-        for i, (p, own) in enumerate(zip(params, self.grads)):
-            if counts is not None and counts[i] == 0:
+        if fast and min(summed) == self._everyone:
+            return  # every worker had every gradient (the common case): p.grad is the sum
+        for i, (p, own) in enumerate(zip(params, grads)):
+            if summed[i] == 0:
                 p.grad = None  # no gradient on any replica: the optimizer skips it
             elif p.grad is not own:
                 p.grad = own
 
+    def _gather(self, params: list[torch.Tensor], installed: dict[int, int]) -> list[int]:
+        """Brings every gradient into the bucket (copied in, or zero where there is none)
+        and returns the parameters without one."""
+        grads = self.grads
+        if not self.checked and any(p.grad is not own for p, own in zip(params, grads)):
+            self.private()  # about to zero or copy into a tensor that is not p.grad
+            grads = self.grads
+        missing: list[int] = []
+        for i, (p, own) in enumerate(zip(params, grads)):
+            g = p.grad
+            if g is own:
+                if installed.get(i, -1) == own._version:  # hooked, never accumulated
+                    p.grad = None
+                    missing.append(i)
+                continue  # accumulated in place by backward()
+            if g is None:
+                own.zero_()
+                missing.append(i)
+            else:
+                if g.is_sparse:
+                    raise NotImplementedError(
+                        "DistributedOptimizer: sparse gradients (nn.Embedding(sparse=True)) "
+                        "cannot be all-reduced yet; use dense gradients."
+                    )
+                own.copy_(g)
+        return missing
+
+
+def _all_own(params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+    """Whether every ``params[i].grad`` is ``grads[i]``. (A function of its own: a loop
+    variable left in the caller would hold a gradient, which `_GradientBucket.private`
+    counts as the program's. A loop, not all(...): a generator resumes once per element.)"""
+    for i in range(len(grads)):  # noqa: SIM110
+        if params[i].grad is not grads[i]:
+            return False
+    return True
+
 
 def _installer(bucket: weakref.ref[_GradientBucket], i: int) -> Callable[[torch.Tensor], None]:
+    """Parameter ``i``'s hook: autograd is about to accumulate its gradient. Where
+    ``p.grad`` is None, it becomes the bucket's tensor, zeroed. (One frame: it runs for
+    every parameter at every step.)"""
+
     def hook(grad: torch.Tensor) -> None:
         owner = bucket()
-        if owner is not None:
-            owner.install(i)
+        if owner is None:
+            return
+        p = owner.params[i]
+        if p.grad is not None:
+            return
+        if not owner.checked:
+            owner.private()
+        own = owner.grads[i]
+        try:
+            p.grad = own
+        except RuntimeError:
+            return  # a changed parameter (shape, dtype, device): step() rebuilds the bucket
+        zeroed = owner.zeroed
+        if zeroed[i]:
+            zeroed[i] = False
+        else:
+            own.zero_()
+        owner.installed[i] = own._version
 
     return hook
 

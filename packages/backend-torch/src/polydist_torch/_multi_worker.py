@@ -435,15 +435,16 @@ class _ProcessGroup(mp.ClusterMembership):
         """Waits for gloo's ``work`` in slices, looking at the heartbeats in between: a
         fast collective was issued before the peers were known to be there, so a hung
         peer is named as at the check's wait (about 6 s), not after the timeout."""
-        slice_ = _timedelta(_WAIT_SLICE_SECONDS)
-        deadline = time.monotonic() + self.timeout + _WAIT_SLICE_SECONDS
+        deadline = None
         while True:
             try:
-                work.wait(timeout=slice_)
+                work.wait(timeout=_WAIT_SLICE)
                 return
             except RuntimeError:
                 if work.is_completed():  # gloo's own error (or its timeout)
                     raise
+            if deadline is None:  # after the first slice (most waits end within it)
+                deadline = time.monotonic() + self.timeout
             silent = self.heartbeat.silent() if self.heartbeat is not None else []
             if silent or time.monotonic() > deadline:
                 why = (
@@ -557,8 +558,10 @@ _SUM_OPTIONS.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # RedOpTy
 
 
 def _world() -> Any:
-    """torch.distributed's default process group (the cluster's)."""
-    return dist.distributed_c10d._get_default_group()
+    """torch.distributed's default process group (the cluster's): what
+    ``_get_default_group`` returns, without its checks' calls while there is one."""
+    world = dist.GroupMember.WORLD
+    return world if world is not None else dist.distributed_c10d._get_default_group()
 
 
 #: Dtypes whose sum of presence flags (one 1 per worker) is exact, by torch name.
@@ -570,6 +573,7 @@ _PRESENCE = {
 }
 # A fast collective's wait looks at the heartbeats this often.
 _WAIT_SLICE_SECONDS = 0.5
+_WAIT_SLICE = _timedelta(_WAIT_SLICE_SECONDS)
 
 
 def _nothing() -> None:
@@ -844,22 +848,31 @@ class TorchProcessGroupBackend(TorchBackend):
         and a dtype whose presence flag sums exactly)."""
         return self.connected and dtype in _PRESENCE and not tracing.is_tracing()
 
-    def all_reduce_bucket_(self, flat: torch.Tensor, parts: Sequence[tuple[int, ...]]) -> None:
+    def all_reduce_bucket_(
+        self, flat: torch.Tensor, parts: Sequence[tuple[int, ...]], marks: torch.Tensor
+    ) -> list[float]:
         """Sums ``flat`` over the workers in place: a flat buffer that a library component
         owns and no user code reaches (``DistributedOptimizer``'s gradient bucket), of a
-        process whose one replica calls this (no local sum), whose last element is the
-        presence flag (set here). Checked as an ``all_reduce(SUM)`` of the ``parts``
-        (their shapes) packed, with the fast path of ``polydist._collectives.check``: no
-        copy, and no round trip for a repeated step, as DDP's bucket."""
-        assert self._group is not None
+        process whose one replica calls this (no local sum), outside autograd. Its last
+        element is the presence flag, which the caller has set to 1; ``marks`` is a tail
+        of ``flat`` that ends with it (the caller's flags, then the presence flag).
+        Checked as an ``all_reduce(SUM)`` of the ``parts`` (their shapes) packed, with
+        the fast path of ``polydist._collectives.check``: no copy, and no round trip for
+        a repeated step, as DDP's bucket. Returns ``marks`` summed, read in one call
+        (a training step's every torch call costs host time)."""
+        group = self._group
+        assert group is not None
         numel = flat.numel() - 1
         wire = wire_of(numel, flat.dtype, flat.device)
-        with torch.no_grad(), collective_intent("SUM"):
-            flat[numel] = 1
-            _, pending = self._group.checked_wire(
+        with collective_intent("SUM"):
+            _, pending = group.checked_wire(
                 "all_reduce", flat.dtype, (numel,), _nothing, wire, parts=parts
             )
-            self._group.reduce_checked_(flat, wire, pending)
+            group.all_reduce_(flat, pending)
+            summed: list[float] = marks.tolist()
+            if wire is not None:
+                group.arrived(pending, int(summed[-1]))
+        return summed
 
     def batch_all_reduce(
         self, columns: Sequence[Sequence[Any]], destinations: Sequence[str], bytes_per_pack: int
