@@ -1184,7 +1184,7 @@ class CompiledRunner:
                 if not alone[i - offset]:
                     inputs[i] = _copy(inputs[i])
         else:
-            inputs = list(plan.inputs) if whole else plan.inputs  # (the program keeps none)
+            inputs = _ordered([], plan.inputs)
         for slot in whole:
             # An earlier call's result, passed in whole: held by this call's inputs
             # only, so that it is freed when the caller drops it (as the arrays of a

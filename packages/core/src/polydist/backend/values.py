@@ -35,14 +35,20 @@ def deferred(cls: type[_D], source: ComponentSource) -> _D:
     """A ``cls`` (``PerReplica`` or ``Mirrored``) whose components ``source.components()``
     makes the first time anything reads them (``values``, a replica's pick, a reduction);
     until then it holds only ``source``."""
-    if not (issubclass(cls, DistributedValues) and not getattr(cls, "_select_whole", False)):
-        raise TypeError(
-            f"deferred() makes PerReplica or Mirrored values, got {cls.__name__}: pass one "
-            "of those classes (a variable's copies are deferred with "
-            "polydist.backend.tracing.defer_storage)."
-        )
+    if cls not in _DEFERRABLE:  # checked once per class: a step defers each result
+        if not (issubclass(cls, DistributedValues) and not getattr(cls, "_select_whole", False)):
+            raise TypeError(
+                f"deferred() makes PerReplica or Mirrored values, got {cls.__name__}: pass one "
+                "of those classes (a variable's copies are deferred with "
+                "polydist.backend.tracing.defer_storage)."
+            )
+        _DEFERRABLE.add(cls)
     value: _D = cls._deferred(source)
     return value
+
+
+#: The classes `deferred` has checked.
+_DEFERRABLE: set[type] = set()
 
 
 def component_source(value: DistributedValues) -> ComponentSource | None:
