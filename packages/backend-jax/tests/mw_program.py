@@ -188,10 +188,43 @@ def uneven_here(strategy: pd.Strategy, rank: int) -> dict[str, list[np.ndarray]]
     return out
 
 
+def one_device(rank: int, timeout: float) -> dict[str, list[np.ndarray]]:
+    """Two workers of one replica each (where a worker's compiled step reads its
+    outputs while the step runs, and places the parameters it returns as the next
+    step's inputs then): parameters passed in and returned, a rank-0 loss, on
+    integer-valued float32 data (exact in any order)."""
+    import jax.numpy as jnp
+
+    options = pd.experimental.CommunicationOptions(timeout_seconds=timeout)
+    strategy = pd.MultiWorkerMirroredStrategy(
+        communication_options=options, local_devices=1, backend="jax"
+    )
+
+    def step(w: Any, x: Any) -> Any:
+        grad = _ctx().all_reduce(pd.ReduceOp.SUM, x * w)
+        return w - 0.5 * grad, jnp.sum(grad)
+
+    w = jnp.asarray(np.array([1, 2, 3], np.float32))
+    x = jnp.asarray(np.array([1, 2, 4], np.float32) * (rank + 1))
+    out: dict[str, list[np.ndarray]] = {}
+    for s in range(ONE_DEVICE_STEPS):
+        w, loss = strategy.run(step, args=(w, x))
+        out[f"w_{s}"] = [np.asarray(w)]
+        out[f"loss_{s}"] = [np.asarray(loss)]
+    runner: Any = strategy.extended.backend._compiled
+    hit = runner._placed.get(id(w))
+    out["placed"] = [np.asarray(hit is not None and hit[0]() is w)]
+    out["loss_rank"] = [np.asarray(np.ndim(loss))]
+    return out
+
+
+ONE_DEVICE_STEPS = 5
+
+
 def _compiled_main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("mode", choices=["compiled", "programs", "uneven_here"])
+    parser.add_argument("mode", choices=["compiled", "programs", "uneven_here", "one_device"])
     parser.add_argument("--case", choices=PROGRAM_CASES)
     parser.add_argument("--same-steps", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=20.0)
@@ -204,6 +237,9 @@ def _compiled_main() -> None:
         if args.mode == "programs":
             results = programs(strategy, args.case, rank, args.same_steps)
             save(out / f"programs{rank}.npz", results)
+            return
+        if args.mode == "one_device":
+            save(out / f"one_device{rank}.npz", one_device(rank, args.timeout))
             return
         if args.mode == "uneven_here":
             save(out / f"uneven_here{rank}.npz", uneven_here(strategy, rank))
@@ -222,7 +258,7 @@ def _compiled_main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[2:3] in (["compiled"], ["programs"], ["uneven_here"]):
+    if sys.argv[2:3] in (["compiled"], ["programs"], ["uneven_here"], ["one_device"]):
         _compiled_main()
     else:
         main(jax_strategy)

@@ -157,6 +157,28 @@ def test_a_worker_that_cannot_compile_a_step_meets_the_others_compiled_agreement
                 assert np.array_equal(got, want.astype(np.float32)), (key, got, want)
 
 
+def test_workers_of_one_replica_pass_their_returned_parameters_back_exactly(
+    tmp_path: Path,
+) -> None:
+    """One replica per worker: each step's outputs are read while it runs, and the
+    parameters it returns are placed as the next step's inputs then. Every step's
+    parameters and rank-0 loss are exact (integer-valued float32) on both workers."""
+    codes = ENGINE.run(tmp_path, "one_device", "--timeout", "30", timeout=90)
+    assert codes == [0, 0], [mpt.stderr(tmp_path, w)[-2000:] for w in range(mpt.WORKERS)]
+    per_worker = [mw_program.load(tmp_path / f"one_device{w}.npz") for w in range(mpt.WORKERS)]
+    w = np.array([1, 2, 3], np.float32)
+    x_sum = np.array([1, 2, 4], np.float32) * 3  # worker 0's x plus worker 1's (twice it)
+    for s in range(mw_program.ONE_DEVICE_STEPS):
+        grad = x_sum * w
+        w = w - np.float32(0.5) * grad
+        for r in per_worker:
+            assert np.array_equal(r[f"w_{s}"][0], w), (s, r[f"w_{s}"][0], w)
+            assert r[f"loss_{s}"][0] == grad.sum(), (s, r[f"loss_{s}"][0], grad.sum())
+    for r in per_worker:
+        assert int(r["loss_rank"][0]) == 0
+        assert bool(r["placed"][0])
+
+
 # --------------------------------------------------------------------------- faults
 
 

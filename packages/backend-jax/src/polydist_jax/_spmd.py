@@ -622,6 +622,9 @@ class _Dispatch:
     outputs: list[tuple[int, int, Any]]  # per output leaf: (_R_*, index, object)
     leaf: bool = False  # the result is one leaf, not a nest
     checked: bool = False  # its result was compared with core's regroup once
+    # Across processes, one device: the avals of its shared array leaves (outputs of
+    # these avals are placed as such inputs while the step runs, `_early_parts`).
+    shared: frozenset[Any] | None = None
 
 
 # A plan column's references when only the direct path knows its components (`_reuse`
@@ -1216,7 +1219,7 @@ class CompiledRunner:
                 mesh,
                 program.executable,
                 inputs,
-                functools.partial(_early_parts, program, mesh) if early else None,
+                functools.partial(self._early_parts, program, dispatch, mesh) if early else None,
             )
             if why is not None:
                 _call.uneven = (fn, why)
@@ -1283,6 +1286,26 @@ class CompiledRunner:
             if len(parts) > 1 and i not in scalars:
                 recent[id(parts[0])] = (split[i], parts)
         plan.recent = recent
+
+    def _early_parts(
+        self, program: _Program, dispatch: _Dispatch, mesh: _Mesh, outputs: Any
+    ) -> tuple[Any, tuple[list[list[Any]], list[list[Any]]]]:
+        """``outputs`` and their `_parts`, taken before the step completes (see
+        `ProcessGroup.execute`'s ``then``). A part that could come back next step as a
+        shared array input (parameters passed in and returned) is placed as one now
+        (`_replicated`), while the step runs, not when it comes back."""
+        split, replicated, _, _ = outputs
+        parts = _parts(program, split, replicated, mesh)
+        shared = dispatch.shared
+        if shared is None:
+            shared = dispatch.shared = frozenset(
+                a for a, k in zip(dispatch.avals, dispatch.kinds, strict=True) if k == _D_ARRAY
+            )
+        if shared:
+            for (part,) in parts[0]:
+                if part.ndim and _aval(part) in shared:
+                    self._replicated(part, mesh)
+        return outputs, parts
 
     def _dispatch(
         self,
@@ -2454,15 +2477,6 @@ def _direct_replica(values: tuple[Any, ...], aval: Any, mesh: _Mesh) -> Any:
         ):
             return None
     return mesh.assemble(values)
-
-
-def _early_parts(
-    program: _Program, mesh: _Mesh, outputs: Any
-) -> tuple[Any, tuple[list[list[Any]], list[list[Any]]]]:
-    """``outputs`` and their `_parts`, taken before the step completes (see
-    `ProcessGroup.execute`'s ``then``)."""
-    split, replicated, _, _ = outputs
-    return outputs, _parts(program, split, replicated, mesh)
 
 
 def _direct_result(
