@@ -31,6 +31,15 @@ def _no_busy_replica_threads() -> Iterator[None]:
     assert busy_workers() == 0, f"{busy_workers()} replica threads still busy after the test"
 
 
+@pytest.fixture(autouse=True)
+def _donate_every_written_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Donation is tested on variables of every size (by default XLA:CPU steps whose
+    written state is small are not donated: `test_dispatch.py` tests that rule)."""
+    from polydist_jax import _spmd
+
+    monkeypatch.setattr(_spmd, "DONATE_CPU_MIN_BYTES", 0)
+
+
 @pytest.fixture
 def jax_backend() -> JaxBackend:
     """A fresh backend per test, so compile counts and caches start empty."""

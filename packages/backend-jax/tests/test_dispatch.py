@@ -48,6 +48,24 @@ def test_written_variables_buffers_are_donated(n: int) -> None:
     assert [float(c.numpy()[0]) for c in v.values] == [2.0] * n
 
 
+@pytest.mark.parametrize("n", [1, N])
+def test_on_cpu_only_a_large_written_state_is_donated(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default rule (conftest donates every size): an XLA:CPU step whose written
+    # variables hold less than DONATE_CPU_MIN_BYTES per device keeps its inputs.
+    monkeypatch.setattr(_spmd, "DONATE_CPU_MIN_BYTES", 1 << 20)
+    for elements, donated in ((1 << 17, False), (1 << 18, True)):  # 0.5 and 1 MiB
+        strategy, backend = make(n)
+        with strategy.scope():
+            v = pd.Variable(np.zeros(elements, np.float32))
+        strategy.run(add_one(v))
+        before = cached_input(backend, v)
+        strategy.run(add_one(v))
+        assert before.is_deleted() is donated, elements
+        assert [float(c.numpy()[0]) for c in v.values] == [2.0] * n
+
+
 @pytest.mark.parametrize("same_fn", [True, False], ids=["direct", "prepared"])
 @pytest.mark.parametrize("n", [1, N])
 def test_written_variables_are_updated_in_their_own_buffers(n: int, same_fn: bool) -> None:
