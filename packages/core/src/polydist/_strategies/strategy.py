@@ -489,16 +489,7 @@ class Strategy:
             return self._run_replicas(fn, args, kwargs)
         token = _context.push_cross_replica_mode(self)
         try:
-            # `_run_replicas` inlined: the same calls, one frame less per step.
-            extended = self._extended
-            if type(extended).call_for_each_replica is not StrategyExtended.call_for_each_replica:
-                return extended.call_for_each_replica(fn, args, kwargs)
-            _check_callable(fn, "fn", "strategy.run(fn, args=(...))")
-            return extended._call_for_each_replica(
-                fn,
-                args if type(args) is tuple else tuple(args),
-                {} if kwargs is None else dict(kwargs),
-            )
+            return self._run_replicas(fn, args, kwargs)
         finally:
             _context.leave_mode(token)
 
