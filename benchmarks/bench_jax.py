@@ -227,7 +227,11 @@ def paired_ratio(ta: list[float], tb: list[float]) -> float:
 def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     n = len(devices)
     backend = JaxBackend()
+    # Each idiom on its own strategy, as a user has it: the parameters passed in on
+    # one with no variables (every variable a strategy tracks is an input of its
+    # programs), the variables on another.
     strategy = pd.MirroredStrategy(backend=backend)
+    params_strategy = pd.MirroredStrategy(backend=backend)
     mesh = Mesh(np.array(devices), ("d",))
     rng = np.random.default_rng(0)
     x_host = rng.normal(size=(GLOBAL_BATCH, FEATURES)).astype(np.float32)
@@ -242,18 +246,20 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         variables = [pd.Variable(p) for p in init]
     variables_step = polydist_variables_step(variables)
     state: dict[str, Any] = {
-        "pd": replicate(strategy, [jnp.asarray(p) for p in init]),
-        "pd_read": replicate(strategy, [jnp.asarray(p) for p in init]),
+        "pd": replicate(params_strategy, [jnp.asarray(p) for p in init]),
+        "pd_read": replicate(params_strategy, [jnp.asarray(p) for p in init]),
         "hand": jax.device_put([jnp.asarray(p) for p in init], NamedSharding(mesh, P())),
     }
     hand = hand_written(mesh, n)
 
     def run_params() -> None:
-        state["pd"], loss = strategy.run(polydist_params_step, (state["pd"], x_pr, y_pr))
+        state["pd"], loss = params_strategy.run(polydist_params_step, (state["pd"], x_pr, y_pr))
         block(loss)
 
     def run_params_read() -> None:
-        state["pd_read"], loss = strategy.run(polydist_params_step, (state["pd_read"], x_pr, y_pr))
+        state["pd_read"], loss = params_strategy.run(
+            polydist_params_step, (state["pd_read"], x_pr, y_pr)
+        )
         block((state["pd_read"], loss))  # every replica's copy of every parameter
 
     def run_variables() -> None:
@@ -287,7 +293,7 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     del steps
     for key in ("pd", "pd_read"):
         for a, b in zip(state[key], state["hand"], strict=True):
-            first = strategy.experimental_local_results(a)[0]
+            first = params_strategy.experimental_local_results(a)[0]
             np.testing.assert_allclose(np.asarray(first), np.asarray(b), rtol=1e-4, atol=1e-6)
     for v, b in zip(variables, state["hand"], strict=True):
         np.testing.assert_allclose(v.numpy(), np.asarray(b), rtol=1e-4, atol=1e-6)

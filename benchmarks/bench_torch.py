@@ -177,8 +177,9 @@ def interleaved_times(
     return times[0], times[1]
 
 
-def trivial_run_us_per_replica(strategy: pd.Strategy, repeats: int) -> float:
-    one = torch.ones(1)
+def trivial_run_us_per_replica(strategy: pd.Strategy, device: torch.device, repeats: int) -> float:
+    # On the replicas' device: a host tensor would add a copy to the GPU to each run.
+    one = torch.ones(1, device=device)
 
     def step() -> Any:
         return strategy.run(lambda: pd.get_replica_context().all_reduce("SUM", one))
@@ -320,7 +321,7 @@ def main() -> int:
             "per_replica_batch": GLOBAL_BATCH // len(devices),
         }
         row.update(measure(strategy, devices, args.repeats))
-        row["trivial_run_us_per_replica"] = trivial_run_us_per_replica(strategy, 50)
+        row["trivial_run_us_per_replica"] = trivial_run_us_per_replica(strategy, devices[0], 50)
         rows.append(row)
         print(
             f"{kind:18s} {row['replicas']:2d} x {row['device']:4s}  hand-written "

@@ -757,11 +757,12 @@ def test_shards_are_jax_own_per_device_arrays_in_replica_order() -> None:
         _spmd._shards(array, mesh)
 
 
+@pytest.mark.parametrize("n", [1, N])
 @pytest.mark.parametrize("shape", [(3,), ()], ids=["vector", "rank0"])
 def test_variable_copies_stay_whole_until_read(
-    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+    shape: tuple[int, ...], n: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    strategy, backend = make()
+    strategy, backend = make(n)
     with strategy.scope():
         v = pd.Variable(np.zeros(shape, np.float32), aggregation=pd.VariableAggregation.MEAN)
 
@@ -769,7 +770,9 @@ def test_variable_copies_stay_whole_until_read(
         v.assign_add(jnp.reshape(x, shape) if shape else jnp.sum(x))
         return jnp.sum(x)
 
-    x = on_devices([jnp.full(3, float(r)) for r in range(N)], jax.devices()[:N])
+    x = on_devices([jnp.full(3, float(r)) for r in range(n)], jax.devices()[:n])
+    if n == 1:
+        x = x.values[0]  # one replica: its array
     for _ in range(2):
         strategy.run(step, (x,))
     calls = count_calls(monkeypatch, _spmd._Stored, "component")  # copies split out
@@ -778,19 +781,19 @@ def test_variable_copies_stay_whole_until_read(
         strategy.run(step, (x,))
     assert calls == []  # five steps, no copy split out
     assert before.is_deleted()  # and the copies were donated each step
-    mean = sum(range(N)) / N * (1 if shape else 3)
+    mean = sum(range(n)) / n * (1 if shape else 3)
     assert v.numpy().tolist() == np.full(shape, 5 * mean).tolist()
     assert [i for _, i in calls] == [0]  # replica 0's copy only
     parts = [c.value() for c in v.values]
-    assert [i for _, i in calls] == [0, 1, 2, 3]
-    assert [p.shape for p in parts] == [shape] * N
-    assert [str(p.device) for p in parts] == [str(d) for d in jax.devices()[:N]]
+    assert [i for _, i in calls] == list(range(n))
+    assert [p.shape for p in parts] == [shape] * n
+    assert [str(p.device) for p in parts] == [str(d) for d in jax.devices()[:n]]
     # A copy a user holds is not donated (copied first); the rest still are.
-    held = parts[2]
+    held = parts[-1]
     del parts
     strategy.run(step, (x,))
     assert not held.is_deleted() and held.tolist() == np.full(shape, 5 * mean).tolist()
-    assert [c.numpy().tolist() for c in v.values] == [np.full(shape, 6 * mean).tolist()] * N
+    assert [c.numpy().tolist() for c in v.values] == [np.full(shape, 6 * mean).tolist()] * n
     assert backend.compile_count == 1
 
 
@@ -963,3 +966,49 @@ def test_the_input_cache_forgets_a_variable_once_it_is_gone() -> None:
     for _ in range(2):
         strategy.run(bump, (w,))
     assert [c.numpy().tolist() for c in w.values] == [[7.0] * 3] * N
+
+
+def test_one_device_outputs_passed_back_in_are_taken_by_identity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One device: the arrays a step returned, passed back in where they were passed
+    # before, are known by identity (no placement checks); another array at that place
+    # (an older output, or one swapped from another place) is checked as any new one.
+    strategy, backend = make(1)
+
+    def step(w: Any, b: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        grad = ctx.all_reduce("MEAN", x * w)
+        return w - 0.5 * grad, b * 2.0, jnp.sum(grad)
+
+    w, b, x = jnp.ones(3), jnp.ones(3), jnp.arange(3.0)
+    want_w, want_b = np.ones(3), np.ones(3)
+
+    def advance(w_in: np.ndarray, b_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return w_in - 0.5 * np.arange(3.0) * w_in, b_in * 2.0
+
+    for _ in range(3):
+        w, b, _ = strategy.run(step, (w, b, x))
+        want_w, want_b = advance(want_w, want_b)
+    placed = count_calls(monkeypatch, _spmd.CompiledRunner, "_replicated")
+    for _ in range(3):
+        w, b, loss = strategy.run(step, (w, b, x))
+        want_loss = float(np.sum(np.arange(3.0) * want_w))
+        want_w, want_b = advance(want_w, want_b)
+    assert placed == []
+    np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(b), want_b, rtol=1e-6)
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-6)
+    # Swapped: each is the other place's output of the last call, taken after checks.
+    w2, b2, _ = strategy.run(step, (b, w, x))
+    assert len(placed) == 2
+    got_w, got_b = advance(want_b, want_w)
+    np.testing.assert_allclose(np.asarray(w2), got_w, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(b2), got_b, rtol=1e-6)
+    # An output of the call before last: checked again, the right values.
+    w3, b3, _ = strategy.run(step, (w, b, x))
+    assert len(placed) == 4
+    np.testing.assert_allclose(np.asarray(w3), advance(want_w, want_b)[0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(b3), advance(want_w, want_b)[1], rtol=1e-6)
+    assert backend.compile_count == 1

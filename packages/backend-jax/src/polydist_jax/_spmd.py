@@ -632,6 +632,11 @@ class _Dispatch:
     # Across processes, one device: the avals of its shared array leaves (outputs of
     # these avals are placed as such inputs while the step runs, `_early_parts`).
     shared: frozenset[Any] | None = None
+    # One device: weak references to the last direct call's split outputs, and per
+    # leaf the output found passed back in at it (parameters returned and passed in
+    # again): such a leaf is that output, in place, of the aval checked when found.
+    last: list[weakref.ref[Any]] | None = None
+    source: list[int | None] | None = None
 
 
 # A plan column's references when only the direct path knows its components (`_reuse`
@@ -1214,6 +1219,8 @@ class CompiledRunner:
             tracing = bool(flat_out) and is_tracer(flat_out[0])  # inside an outer trace
             if not tracing and mesh.throttled:
                 self._throttle(mesh, program, (split, replicated, updated, flat_out[a + b + c :]))
+            if program.single is not None and not tracing and _D_ARRAY in dispatch.kinds:
+                dispatch.last = list(map(weakref.ref, split))  # (`_Dispatch.last`)
         else:
             # Across processes: the compiled step with its agreement (`ProcessGroup`),
             # as `run` runs it.
@@ -1385,6 +1392,10 @@ class CompiledRunner:
         slots = plan.slots
         n = len(mesh.devices)
         whole: list[int] = []
+        last = dispatch.last or []
+        back = dispatch.source
+        if last and back is None:
+            back = dispatch.source = [None] * len(flat)
         for i, x in enumerate(flat):
             kind = dispatch.kinds[i]
             if kind == _D_SAME:
@@ -1394,11 +1405,19 @@ class CompiledRunner:
             if kind == _D_ARRAY:
                 if refs[i][0]() is x:
                     continue
+                if back is not None and (j := back[i]) is not None and last[j]() is x:
+                    refs[i] = [last[j]]  # an output of the last call: on its device
+                    slot = slots[i]
+                    assert slot is not None, "an array leaf is a program input"
+                    plan.inputs[slot] = x
+                    continue
                 if not isinstance(x, jax.Array) or is_tracer(x) or _aval(x) != dispatch.avals[i]:
                     return None
                 placed = self._replicated(x, mesh)
                 ref = _ref(x)
                 refs[i] = [ref] * n
+                if back is not None and placed is x:
+                    back[i] = next((j for j, r in enumerate(last) if r() is x), None)
             else:
                 if not isinstance(x, DistributedValues) or x._select_whole:
                     return None
@@ -1835,7 +1854,7 @@ class CompiledRunner:
         n = len(mesh.devices)
         whole = program.store_whole  # the same variables (kinds, copies) every call
         if whole is None:
-            whole = program.store_whole = n > 1 and all(
+            whole = program.store_whole = all(
                 isinstance(variables[p], DistributedVariable) and len(variables[p].values) == n
                 for p, _ in program.updates
             )
