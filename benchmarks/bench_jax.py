@@ -8,8 +8,9 @@ process (the machine may be shared, so load hits all alike):
 
 * ``hand``: ``jax.jit(jax.shard_map(...))`` written by hand, params in and out;
 * ``polydist_params``: ``strategy.run(step, (params, x, y))`` with the params passed
-  in and returned, as docs/getting-started.md does it (``polydist_params_read_all``:
-  the same, reading every replica's params each step);
+  in and returned, as docs/getting-started.md does it, on a strategy of its own
+  that has no variables, as such a user's has (``polydist_params_read_all``: the
+  same, reading every replica's params each step);
 * ``polydist_variables``: the params as ``pd.Variable``s (default NONE aggregation)
   written in replica context, as examples/jax_train.py does it;
 * ``keras_train_on_batch`` / ``keras_stateless_jit``: Keras 3 with the JAX backend

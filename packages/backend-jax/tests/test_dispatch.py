@@ -16,7 +16,7 @@ import pytest
 
 import polydist as pd
 from polydist.backend.tracing import storage_arrays
-from polydist_jax import JaxBackend, _input, _spmd, replicate
+from polydist_jax import JaxBackend, _functional, _input, _spmd, replicate
 
 N = 4
 
@@ -1012,3 +1012,52 @@ def test_one_device_outputs_passed_back_in_are_taken_by_identity(
     np.testing.assert_allclose(np.asarray(w3), advance(want_w, want_b)[0], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(b3), advance(want_w, want_b)[1], rtol=1e-6)
     assert backend.compile_count == 1
+
+
+@pytest.mark.parametrize("n", [1, N])
+def test_variables_a_step_leaves_alone_are_no_inputs_of_it(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every variable the strategy tracks is an input of its programs; one the step
+    # neither reads nor writes is dropped from the compiled call (and not looked up).
+    strategy, backend = make(n)
+    with strategy.scope():
+        used = pd.Variable(np.ones(3, np.float32), aggregation=pd.VariableAggregation.MEAN)
+        written = pd.Variable(np.zeros(3, np.float32), aggregation=pd.VariableAggregation.MEAN)
+        idle = pd.Variable(np.full(3, 7.0, np.float32))
+
+    def step(x: Any) -> Any:
+        written.assign(used.value() * 2.0, read_value=False)  # written, never read
+        used.assign_add(x, read_value=False)
+        return jnp.sum(used.value())
+
+    x = on_devices([jnp.ones(3)] * n, jax.devices()[:n])
+    if n == 1:
+        x = x.values[0]
+    for _ in range(3):
+        strategy.run(step, (x,))
+    (plan,) = backend._compiled._plans[strategy.extended].values()
+    program = plan.program
+    assert program.variable_kept is not None
+    kept = dict(zip([r() for r in plan.variables], program.variable_kept, strict=True))
+    assert [kept[v] for v in (used, written, idle)] == [True, True, False]
+    looked_up = count_calls(monkeypatch, _functional.InputCache, "lookup")
+    for _ in range(2):
+        loss = strategy.run(step, (x,))
+    assert idle not in [args[1] for args in looked_up] and len(looked_up) == 4
+    assert used.numpy().tolist() == [6.0] * 3 and written.numpy().tolist() == [10.0] * 3
+    assert [float(v) for v in strategy.experimental_local_results(loss)] == [18.0] * n
+    # Assigned from outside, the variable left alone keeps the step on its direct path.
+    idle.assign(np.zeros(3, np.float32))
+    before = backend._compiled._plans[strategy.extended][step]
+    strategy.run(step, (x,))
+    assert backend._compiled._plans[strategy.extended][step] is before
+    assert idle.numpy().tolist() == [0.0] * 3 and used.numpy().tolist() == [7.0] * 3
+    # Another step that reads it takes it.
+    assert [
+        float(v)
+        for v in strategy.experimental_local_results(
+            strategy.run(lambda: jnp.sum(idle.value() + used.value()))
+        )
+    ] == [21.0] * n
+    assert backend.compile_count == 2

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from polydist import ReduceOp, ReplicaContext, Variable
@@ -122,6 +122,12 @@ class Uneven(Exception):
 
 
 # --------------------------------------------------------------------------- the mesh
+
+_dce_jaxpr: Any = None
+try:  # JAX's dead-code elimination of a jaxpr (`_unread_variables`)
+    from jax._src.interpreters.partial_eval import dce_jaxpr as _dce_jaxpr
+except ImportError:  # another JAX: every variable stays an input
+    _dce_jaxpr = None
 
 _ArrayImpl: Any = None
 try:  # what jax.make_array_from_single_device_arrays builds, for `_global_array`
@@ -548,6 +554,10 @@ class _Program:
     # and then each one's copy aval (`_Stored`).
     store_whole: bool | None = None
     stored_avals: list[Any] | None = None
+    # The inputs ``local`` takes (None: all): a variable the program neither reads nor
+    # writes is no input of it (`_unread_variables`); per variable, whether it is one.
+    kept: list[int] | None = None
+    variable_kept: list[bool] | None = None
 
 
 class _Strong:
@@ -1183,14 +1193,20 @@ class CompiledRunner:
         if plan.variables:
             var_inputs: list[Any] = []
             alone: list[bool] = []
-            for ref in plan.variables:
+            # Variables the local program does not take are not looked up (`kept`).
+            used = program.variable_kept if group is None else None
+            for p, ref in enumerate(plan.variables):
                 var = ref()
                 if var is None:
                     return NOT_HANDLED
+                variables.append(var)
+                if used is not None and not used[p]:
+                    var_inputs.append(None)
+                    alone.append(True)
+                    continue
                 cached, only_ours = cache.lookup(var)
                 if cached is None:
                     return NOT_HANDLED  # written from outside: `run` assembles it again
-                variables.append(var)
                 var_inputs.append(cached)
                 alone.append(only_ours)
             inputs = _ordered(var_inputs, plan.inputs)
@@ -1212,7 +1228,8 @@ class CompiledRunner:
             self._divergence.poll()
         early = False
         if group is None:
-            flat_out = program.local(*inputs)
+            kept = program.kept
+            flat_out = program.local(*(inputs if kept is None else [inputs[k] for k in kept]))
             a, b, c, _ = program.counts
             split = flat_out[:a]
             replicated, updated = flat_out[a : a + b], flat_out[a + b : a + b + c]
@@ -1491,10 +1508,18 @@ class CompiledRunner:
             program.counts = tuple(  # type: ignore[assignment]
                 len(part) for part in stage.out_info
             )
-            run = jaxpr_as_fun(stage.jaxpr)
+            closed = stage.jaxpr
+            pruned = _unread_variables(closed, offset, n_variables, donated)
+            donate = program.donated
+            if pruned is not None:
+                closed, kept = pruned
+                program.kept = kept
+                program.variable_kept = [offset + p in kept for p in range(n_variables)]
+                donate = tuple(kept.index(i) for i in donate)
+            run = jaxpr_as_fun(closed)
             if program.single is None:
                 run = _rank0_outputs(run, program, mesh)
-                program.local = jax.jit(run, donate_argnums=program.donated, keep_unused=True)
+                program.local = jax.jit(run, donate_argnums=donate, keep_unused=True)
             else:
                 # One device: results on it as single-device arrays, as users' arrays
                 # are (no conversion per step, `_shards`). Not the variables' new copies:
@@ -1505,7 +1530,7 @@ class CompiledRunner:
                 mesh_split = program.single_split
                 program.local = jax.jit(
                     run,
-                    donate_argnums=program.donated,
+                    donate_argnums=donate,
                     keep_unused=True,
                     out_shardings=([program.single] * (a + b) + [mesh_split] * (c + d)),
                 )
@@ -1513,7 +1538,8 @@ class CompiledRunner:
         for i in program.donated:
             if not self._variable_inputs.exclusive(_call.variables[i - offset]):
                 inputs[i] = _copy(inputs[i])
-        flat = program.local(*inputs)
+        take = program.kept
+        flat = program.local(*(inputs if take is None else [inputs[k] for k in take]))
         a, b, c, _ = program.counts
         return flat[:a], flat[a : a + b], flat[a + b : a + b + c], flat[a + b + c :]
 
@@ -2574,6 +2600,28 @@ def _deferred_result(
     if dispatch.leaf:
         return leaves[0]
     return _nest.unflatten(program.out_spec, leaves)
+
+
+def _unread_variables(
+    closed: Any, offset: int, n_variables: int, written: tuple[int, ...]
+) -> tuple[Any, list[int]] | None:
+    """``closed`` (a program's jaxpr) without the inputs of the variables it neither
+    reads nor writes, and the inputs it keeps; None when it reads them all.
+
+    Every variable the strategy tracks is an input of its programs (fn may read any of
+    them); one fn does not read costs a lookup and an input per step, for every
+    variable of a model that an evaluation step, say, leaves alone. Only variables'
+    inputs go: the others, and the written variables' (donated), stay in place."""
+    jaxpr = closed.jaxpr
+    keep = [
+        not offset <= i < offset + n_variables or i in written for i in range(len(jaxpr.invars))
+    ]
+    if all(keep) or _dce_jaxpr is None:
+        return None
+    pruned, used = _dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=keep)
+    if all(used):
+        return None
+    return ClosedJaxpr(pruned, closed.consts), [i for i, u in enumerate(used) if u]
 
 
 def _rank0_outputs(run: Callable[..., Any], program: _Program, mesh: _Mesh) -> Callable[..., Any]:
