@@ -42,7 +42,8 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T="timeout -k 5 $PHASE1_S"
 PYTEST="$PY -m pytest -q -p no:cacheprovider -p no:benchmark --timeout=120"
 TT=packages/backend-torch/tests
-$T $PYTEST $TT >"$LOGS/torch-tests.log" 2>&1 &
+# xdist: on one process they outran the phase (150 s) there.
+$T $PYTEST -n 4 $TT >"$LOGS/torch-tests.log" 2>&1 &
 $T $PYTEST --pyargs polydist_conformance --polydist-backend=torch --polydist-replicas=1 \
     --polydist-json="$LOGS/conformance-torch-cuda.json" >"$LOGS/torch-conformance.log" 2>&1 &
 $T $PYTEST --pyargs polydist_conformance --polydist-backend=jax --polydist-replicas=1 \

@@ -164,15 +164,20 @@ def defer_storage(variable: Variable, source: StorageSource) -> None:
     until a write replaces it. A compiled backend's new copies, when one program
     output holds them all: none is split out per replica unless read."""
     components = _components(variable)
-    indices = [c._replica_index for c in components]
-    if indices != list(range(len(components))):
-        r = next(r for r, i in enumerate(indices) if i != r)
-        raise ValueError(
-            f"defer_storage: component {r} of {variable.name!r} has replica index "
-            f"{indices[r]}, not {r}: source.component(i) is asked for by that "
-            "index, so deferral needs components in replica order. Store such a "
-            "variable's copies with swap_storage instead."
-        )
+    own = variable.__dict__
+    if own.get("_replica_ordered") is not components:
+        # A variable's components never change: their order is checked once.
+        indices = [c._replica_index for c in components]
+        if indices != list(range(len(components))):
+            r = next(r for r, i in enumerate(indices) if i != r)
+            raise ValueError(
+                f"defer_storage: component {r} of {variable.name!r} has replica index "
+                f"{indices[r]}, not {r}: source.component(i) is asked for by that "
+                "index, so deferral needs components in replica order. Store such a "
+                "variable's copies with swap_storage instead."
+            )
+        if components[0] is not variable:  # (a plain variable's tuple is made per call)
+            own["_replica_ordered"] = components
     # A compiled step defers every variable it writes, each step: no interpreted
     # call per component.
     states = [c.__dict__ for c in components]
