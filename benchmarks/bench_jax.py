@@ -233,6 +233,7 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     # programs), the variables on another.
     strategy = pd.MirroredStrategy(backend=backend)
     params_strategy = pd.MirroredStrategy(backend=backend)
+    read_strategy = pd.MirroredStrategy(backend=backend)  # a plan per loop, as a user's
     mesh = Mesh(np.array(devices), ("d",))
     rng = np.random.default_rng(0)
     x_host = rng.normal(size=(GLOBAL_BATCH, FEATURES)).astype(np.float32)
@@ -248,7 +249,7 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     variables_step = polydist_variables_step(variables)
     state: dict[str, Any] = {
         "pd": replicate(params_strategy, [jnp.asarray(p) for p in init]),
-        "pd_read": replicate(params_strategy, [jnp.asarray(p) for p in init]),
+        "pd_read": replicate(read_strategy, [jnp.asarray(p) for p in init]),
         "hand": jax.device_put([jnp.asarray(p) for p in init], NamedSharding(mesh, P())),
     }
     hand = hand_written(mesh, n)
@@ -258,7 +259,7 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         block(loss)
 
     def run_params_read() -> None:
-        state["pd_read"], loss = params_strategy.run(
+        state["pd_read"], loss = read_strategy.run(
             polydist_params_step, (state["pd_read"], x_pr, y_pr)
         )
         block((state["pd_read"], loss))  # every replica's copy of every parameter

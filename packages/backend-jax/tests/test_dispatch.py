@@ -1061,3 +1061,31 @@ def test_variables_a_step_leaves_alone_are_no_inputs_of_it(
         )
     ] == [21.0] * n
     assert backend.compile_count == 2
+
+
+def test_one_replicas_per_replica_inputs_take_the_direct_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One replica: a PerReplica of one array (what a dataset of one replica gives)
+    # reaches fn as that array, a shared input; later calls replay the plan.
+    strategy, backend = make(1)
+    prepares = count_prepares(backend, monkeypatch)
+
+    def step(w: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return w + ctx.all_reduce("SUM", x), jnp.sum(x)
+
+    device = jax.devices()[0]
+    x = pd.PerReplica([jax.device_put(jnp.arange(3.0), device)])
+    w = jnp.zeros(3)
+    for k in range(4):
+        w, total = strategy.run(step, (w, x))
+        np.testing.assert_allclose(np.asarray(w), np.arange(3.0) * (k + 1))
+        assert float(total) == 3.0
+    assert prepares == [1]
+    # Another PerReplica, another component: used, on the same path.
+    x = pd.PerReplica([jax.device_put(np.full(3, 2.0, np.float32), device)])
+    w, total = strategy.run(step, (w, x))
+    np.testing.assert_allclose(np.asarray(w), np.arange(3.0) * 4 + 2.0)
+    assert float(total) == 6.0 and prepares == [1] and backend.compile_count == 1

@@ -17,3 +17,12 @@ def _no_busy_replica_threads() -> Iterator[None]:
     """Every test must leave no replica thread running replica code."""
     yield
     assert busy_workers() == 0, f"{busy_workers()} replica threads still busy after the test"
+
+
+@pytest.fixture
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests of virtual CPU replicas: where torch sees CUDA devices, they would be
+    the replicas' devices (TF's rule), and a machine with one GPU has too few."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

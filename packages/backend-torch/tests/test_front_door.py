@@ -3,6 +3,7 @@ POLYDIST_BACKEND, errors that say what is wrong, and metrics fed torch tensors."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -62,7 +63,8 @@ def test_numpy_values_never_import_torch() -> None:
         [sys.executable, "-c", code],
         check=True,
         timeout=120,
-        env={"PATH": "/usr/bin:/bin"},
+        # Where the packages are found by PYTHONPATH (installed with --target), keep it.
+        env={"PATH": "/usr/bin:/bin", **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}},
     )
 
 
@@ -75,6 +77,7 @@ def test_a_metric_outside_any_scope_takes_tensors() -> None:
     ).tolist() == [1.0]
 
 
+@pytest.mark.usefixtures("cpu_only")
 def test_metrics_on_torch_replicas() -> None:
     strategy = pd.MirroredStrategy(4, backend="torch")
     with strategy.scope():

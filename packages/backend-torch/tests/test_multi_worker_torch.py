@@ -139,6 +139,7 @@ def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_cluster")
+@pytest.mark.usefixtures("cpu_only")
 def test_without_a_cluster_it_is_one_worker() -> None:
     import torch
 
@@ -166,6 +167,7 @@ def _ctx_all_reduce(x: object) -> object:
 
 
 @pytest.mark.usefixtures("no_cluster")
+@pytest.mark.usefixtures("cpu_only")
 def test_single_worker_tf_config(monkeypatch: pytest.MonkeyPatch) -> None:
     config = {"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
@@ -178,6 +180,7 @@ def test_single_worker_tf_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_cluster")
+@pytest.mark.usefixtures("cpu_only")
 def test_the_backend_picks_the_process_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from polydist_torch._multi_worker import TorchProcessGroupBackend
 
@@ -194,6 +197,7 @@ def test_the_backend_picks_the_process_engine(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.usefixtures("no_cluster")
+@pytest.mark.usefixtures("cpu_only")
 def test_deprecated_alias_warns_and_still_works() -> None:
     from polydist_torch import MultiWorkerMirroredStrategy
     from polydist_torch._multi_worker import TorchProcessGroupBackend

@@ -616,6 +616,9 @@ class _Plan:
 # ``jax.Array`` given to every replica (placed again only when it is another array);
 # a distributed value (its components, reassembled only when they are other arrays).
 _D_SAME, _D_ARRAY, _D_REPLICA = 0, 1, 2
+# A distributed value of one component (one replica) that core passed on as that
+# component, a shared input: handed over as a `_D_ARRAY` of that component.
+_D_ONE = 3
 # How it regroups each output leaf, as core's `regroup` did on the call checked.
 _R_PARTS, _R_FIRST, _R_OBJECT, _R_VARIABLE, _R_INPUT = 0, 1, 2, 3, 4
 
@@ -633,7 +636,7 @@ class _Dispatch:
     # every argument is a leaf or a list or tuple of leaves (`_flat_args`).
     template: tuple[Any, ...] | None
     devices: tuple[str, ...]
-    kinds: list[int]  # per leaf: _D_SAME | _D_ARRAY | _D_REPLICA
+    kinds: list[int]  # per leaf: _D_SAME | _D_ARRAY | _D_REPLICA | _D_ONE
     avals: list[Any]  # per leaf: (shape, dtype) of its per-replica block / shared array
     held: list[Any]  # per _D_REPLICA leaf: the components tuple its input was made from
     outputs: list[tuple[int, int, Any]]  # per output leaf: (_R_*, index, object)
@@ -647,6 +650,7 @@ class _Dispatch:
     # again): such a leaf is that output, in place, of the aval checked when found.
     last: list[weakref.ref[Any]] | None = None
     source: list[int | None] | None = None
+    arrays: bool = False  # whether any leaf is a `_D_ARRAY` or `_D_ONE`
 
 
 # A plan column's references when only the direct path knows its components (`_reuse`
@@ -1236,7 +1240,7 @@ class CompiledRunner:
             tracing = bool(flat_out) and is_tracer(flat_out[0])  # inside an outer trace
             if not tracing and mesh.throttled:
                 self._throttle(mesh, program, (split, replicated, updated, flat_out[a + b + c :]))
-            if program.single is not None and not tracing and _D_ARRAY in dispatch.kinds:
+            if program.single is not None and not tracing and dispatch.arrays:
                 dispatch.last = list(map(weakref.ref, split))  # (`_Dispatch.last`)
         else:
             # Across processes: the compiled step with its agreement (`ProcessGroup`),
@@ -1269,7 +1273,7 @@ class CompiledRunner:
                 self._divergence.add(dirty, found, mesh, wait=first_calls)
         if tracing or not dispatch.checked:
             columns = [
-                list(x.values) if kind == _D_REPLICA else [x] * len(mesh.devices)
+                list(x.values) if kind in (_D_REPLICA, _D_ONE) else [x] * len(mesh.devices)
                 for x, kind in zip(flat, dispatch.kinds, strict=True)
             ]
             if tracing:
@@ -1330,7 +1334,9 @@ class CompiledRunner:
         shared = dispatch.shared
         if shared is None:
             shared = dispatch.shared = frozenset(
-                a for a, k in zip(dispatch.avals, dispatch.kinds, strict=True) if k == _D_ARRAY
+                a
+                for a, k in zip(dispatch.avals, dispatch.kinds, strict=True)
+                if k in (_D_ARRAY, _D_ONE)
             )
         if shared:
             for (part,) in parts[0]:
@@ -1356,6 +1362,15 @@ class CompiledRunner:
         avals: list[Any] = []
         for i, (x, leaf) in enumerate(zip(flat, plan.leaves, strict=True)):
             distributed = isinstance(x, DistributedValues) and not x._select_whole
+            if (
+                distributed
+                and leaf.kind == _SHARED
+                and len(x._values) == 1
+                and isinstance(x._values[0], jax.Array)
+            ):
+                kinds.append(_D_ONE)  # one replica's PerReplica (core passed its component)
+                avals.append((leaf.shape, leaf.dtype))
+                continue
             if distributed != (leaf.kind == _REPLICA) or leaf.kind == _EMPTY:
                 # e.g. a PerReplica of one object on every replica (a shared input)
                 plan.direct = False
@@ -1377,7 +1392,7 @@ class CompiledRunner:
                 outputs.append((_R_OBJECT, 0, out.obj))
             elif out.kind == "variable":
                 outputs.append((_R_VARIABLE, out.index, None))
-            elif out.kind == "input" and kinds[out.index] != _D_REPLICA:
+            elif out.kind == "input" and kinds[out.index] not in (_D_REPLICA, _D_ONE):
                 outputs.append((_R_INPUT, out.index, None))
             else:  # a replica's own input or copy, an empty array: core's regroup each time
                 plan.direct = False
@@ -1395,6 +1410,7 @@ class CompiledRunner:
             held=[None] * len(flat),
             outputs=outputs,
             leaf=plan.program.out_spec.is_leaf(),
+            arrays=_D_ARRAY in kinds or _D_ONE in kinds,
         )
         return plan.dispatch
 
@@ -1419,6 +1435,12 @@ class CompiledRunner:
                 if refs[i][0]() is not x:
                     return None
                 continue
+            if kind == _D_ONE:
+                if not isinstance(x, DistributedValues) or x._select_whole:
+                    return None
+                if len(x._values) != 1:
+                    return None
+                x, kind = x._values[0], _D_ARRAY
             if kind == _D_ARRAY:
                 if refs[i][0]() is x:
                     continue
