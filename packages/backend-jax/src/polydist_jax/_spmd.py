@@ -1298,9 +1298,14 @@ class CompiledRunner:
                 how, index, obj = dispatch.outputs[0]
                 if how in (_R_PARTS, _R_FIRST):  # fn returned one array, this one
                     return (split if obj == "split" else replicated)[index]
-            split_parts = [[g] for g in split]
-            replicated_parts = [[g] for g in replicated]
-            return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
+            # (`_direct_result` with each output its own one part)
+            leaves = [
+                (split if obj == "split" else replicated)[index]
+                if how in (_R_PARTS, _R_FIRST)
+                else _plain_leaf(how, index, obj, variables, flat)
+                for how, index, obj in dispatch.outputs
+            ]
+            return program.out_spec.unflatten(leaves)
         if len(mesh.devices) == 1:  # one device of a run across processes: its part
             if not early:
                 split_parts, replicated_parts = _parts(program, split, replicated, mesh)

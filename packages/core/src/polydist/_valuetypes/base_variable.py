@@ -163,7 +163,8 @@ def defer_storage(variable: Variable, source: StorageSource) -> None:
     ``r`` stores ``source.component(r)`` the first time its array is read, and keeps it
     until a write replaces it. A compiled backend's new copies, when one program
     output holds them all: none is split out per replica unless read."""
-    components = _components(variable)
+    # (`_components`, inline: a compiled step calls this for every variable it writes)
+    components = variable._values if isinstance(variable, DistributedValues) else (variable,)
     own = variable.__dict__
     if own.get("_replica_ordered") is not components:
         # A variable's components never change: their order is checked once.
@@ -180,7 +181,7 @@ def defer_storage(variable: Variable, source: StorageSource) -> None:
             own["_replica_ordered"] = components
     # A compiled step defers every variable it writes, each step: no interpreted
     # call per component.
-    states = [c.__dict__ for c in components]
+    states = list(map(_STATE, components))
     collections.deque(map(_DROP_ARRAY, states), maxlen=0)
     for state in states:
         state["_pending"] = source
@@ -192,12 +193,14 @@ def deferred_storage(variable: Variable, source: StorageSource) -> list[Any] | N
     not (nothing outside the source holds it yet)."""
     # map over the components' dicts: a compiled step asks this of every variable it
     # takes, each step (no interpreted loop per component).
-    states = [c.__dict__ for c in _components(variable)]
+    components = variable._values if isinstance(variable, DistributedValues) else (variable,)
+    states = list(map(_STATE, components))
     if not all(map(operator.is_, map(_PENDING, states), repeat(source))):
         return None
     return list(map(_ARRAY, states))
 
 
+_STATE = operator.attrgetter("__dict__")
 _PENDING = operator.methodcaller("get", "_pending")
 _DROP_ARRAY = operator.methodcaller("pop", "_array", None)
 _ARRAY = operator.methodcaller("get", "_array")
