@@ -181,6 +181,11 @@ def defer_storage(variable: Variable, source: StorageSource) -> None:
             own["_replica_ordered"] = components
     # A compiled step defers every variable it writes, each step: no interpreted
     # call per component.
+    if len(components) == 1:
+        state = components[0].__dict__
+        state.pop("_array", None)
+        state["_pending"] = source
+        return
     states = list(map(_STATE, components))
     collections.deque(map(_DROP_ARRAY, states), maxlen=0)
     for state in states:
