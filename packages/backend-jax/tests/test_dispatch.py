@@ -1089,3 +1089,28 @@ def test_one_replicas_per_replica_inputs_take_the_direct_path(
     w, total = strategy.run(step, (w, x))
     np.testing.assert_allclose(np.asarray(w), np.arange(3.0) * 4 + 2.0)
     assert float(total) == 6.0 and prepares == [1] and backend.compile_count == 1
+
+
+@pytest.mark.parametrize("dce", ["absent", "another signature"])
+def test_without_jaxs_dead_code_elimination_every_variable_stays_an_input(
+    dce: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # JAX's dce_jaxpr is private: where it is missing or takes other arguments, the
+    # programs keep every variable as an input and compute the same.
+    def other(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("dce_jaxpr() got an unexpected keyword argument 'instantiate'")
+
+    monkeypatch.setattr(_spmd, "_dce_jaxpr", None if dce == "absent" else other)
+    strategy, backend = make(1)
+    with strategy.scope():
+        used = pd.Variable(np.ones(3, np.float32))
+        idle = pd.Variable(np.zeros(3, np.float32))
+
+    def step() -> Any:
+        return jnp.sum(used.value())
+
+    for _ in range(3):
+        assert float(strategy.run(step)) == 3.0
+    (plan,) = backend._compiled._plans[strategy.extended].values()
+    assert plan.program.kept is None and plan.program.variable_kept is None
+    assert idle.numpy().tolist() == [0.0] * 3

@@ -2647,7 +2647,10 @@ def _unread_variables(
     ]
     if all(keep) or _dce_jaxpr is None:
         return None
-    pruned, used = _dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=keep)
+    try:
+        pruned, used = _dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=keep)
+    except TypeError:  # (a private function: another JAX's signature) every input stays
+        return None
     if all(used):
         return None
     return ClosedJaxpr(pruned, closed.consts), [i for i, u in enumerate(used) if u]
