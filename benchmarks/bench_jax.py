@@ -293,9 +293,9 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     # polydist computed the same steps from the same start as the hand-written code.
     steps = rounds + 1 + 1  # the first step, the warm-up, the timed rounds
     del steps
-    for key in ("pd", "pd_read"):
+    for key, own in (("pd", params_strategy), ("pd_read", read_strategy)):
         for a, b in zip(state[key], state["hand"], strict=True):
-            first = params_strategy.experimental_local_results(a)[0]
+            first = own.experimental_local_results(a)[0]
             np.testing.assert_allclose(np.asarray(first), np.asarray(b), rtol=1e-4, atol=1e-6)
     for v, b in zip(variables, state["hand"], strict=True):
         np.testing.assert_allclose(v.numpy(), np.asarray(b), rtol=1e-4, atol=1e-6)

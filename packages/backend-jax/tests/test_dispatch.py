@@ -1044,7 +1044,7 @@ def test_variables_a_step_leaves_alone_are_no_inputs_of_it(
     looked_up = count_calls(monkeypatch, _functional.InputCache, "lookup")
     for _ in range(2):
         loss = strategy.run(step, (x,))
-    assert idle not in [args[1] for args in looked_up] and len(looked_up) == 4
+    assert all(args[1] is not idle for args in looked_up) and len(looked_up) == 4
     assert used.numpy().tolist() == [6.0] * 3 and written.numpy().tolist() == [10.0] * 3
     assert [float(v) for v in strategy.experimental_local_results(loss)] == [18.0] * n
     # Assigned from outside, the variable left alone keeps the step on its direct path.

@@ -503,10 +503,7 @@ class InputCache:
     def put_deferred(self, var: Variable, source: DeferredCopies, global_array: Any) -> None:
         """Records ``global_array`` as ``var``'s input while its copies are still
         ``source``'s (`polydist.backend.tracing.defer_storage`)."""
-        key = id(var)  # (`_set`, inline: a compiled step records every variable it writes)
-        if key not in self._refs:
-            self._refs[key] = weakref.ref(var, functools.partial(self._drop, key))
-        self._cache[key] = (source, global_array, _DEFERRED)
+        self._set(var, (source, global_array, _DEFERRED))
 
     def deferred(self, var: Variable) -> tuple[Any, Any] | None:
         """``(global array, a copy's (shape, dtype))`` while ``var``'s copies are still

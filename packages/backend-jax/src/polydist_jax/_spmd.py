@@ -649,8 +649,7 @@ class _Dispatch:
     # leaf the output found passed back in at it (parameters returned and passed in
     # again): such a leaf is that output, in place, of the aval checked when found.
     last: list[weakref.ref[Any]] | None = None
-    source: list[int | None] | None = None
-    arrays: bool = False  # whether any leaf is a `_D_ARRAY` or `_D_ONE`
+    passed_back: list[int | None] | None = None
 
 
 # A plan column's references when only the direct path knows its components (`_reuse`
@@ -1240,7 +1239,7 @@ class CompiledRunner:
             tracing = bool(flat_out) and is_tracer(flat_out[0])  # inside an outer trace
             if not tracing and mesh.throttled:
                 self._throttle(mesh, program, (split, replicated, updated, flat_out[a + b + c :]))
-            if program.single is not None and not tracing and dispatch.arrays:
+            if program.single is not None and not tracing:
                 dispatch.last = list(map(weakref.ref, split))  # (`_Dispatch.last`)
         else:
             # Across processes: the compiled step with its agreement (`ProcessGroup`),
@@ -1298,14 +1297,9 @@ class CompiledRunner:
                 how, index, obj = dispatch.outputs[0]
                 if how in (_R_PARTS, _R_FIRST):  # fn returned one array, this one
                     return (split if obj == "split" else replicated)[index]
-            # (`_direct_result` with each output its own one part)
-            leaves = [
-                (split if obj == "split" else replicated)[index]
-                if how in (_R_PARTS, _R_FIRST)
-                else _plain_leaf(how, index, obj, variables, flat)
-                for how, index, obj in dispatch.outputs
-            ]
-            return program.out_spec.unflatten(leaves)
+            split_parts = [[g] for g in split]
+            replicated_parts = [[g] for g in replicated]
+            return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
         if len(mesh.devices) == 1:  # one device of a run across processes: its part
             if not early:
                 split_parts, replicated_parts = _parts(program, split, replicated, mesh)
@@ -1415,7 +1409,6 @@ class CompiledRunner:
             held=[None] * len(flat),
             outputs=outputs,
             leaf=plan.program.out_spec.is_leaf(),
-            arrays=_D_ARRAY in kinds or _D_ONE in kinds,
         )
         return plan.dispatch
 
@@ -1431,9 +1424,9 @@ class CompiledRunner:
         n = len(mesh.devices)
         whole: list[int] = []
         last = dispatch.last or []
-        back = dispatch.source
+        back = dispatch.passed_back
         if last and back is None:
-            back = dispatch.source = [None] * len(flat)
+            back = dispatch.passed_back = [None] * len(flat)
         for i, x in enumerate(flat):
             kind = dispatch.kinds[i]
             if kind == _D_SAME:
@@ -1441,9 +1434,7 @@ class CompiledRunner:
                     return None
                 continue
             if kind == _D_ONE:
-                if not isinstance(x, DistributedValues) or x._select_whole:
-                    return None
-                if len(x._values) != 1:
+                if not isinstance(x, DistributedValues) or x._select_whole or len(x._values) != 1:
                     return None
                 x, kind = x._values[0], _D_ARRAY
             if kind == _D_ARRAY:

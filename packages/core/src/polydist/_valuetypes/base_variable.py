@@ -163,30 +163,19 @@ def defer_storage(variable: Variable, source: StorageSource) -> None:
     ``r`` stores ``source.component(r)`` the first time its array is read, and keeps it
     until a write replaces it. A compiled backend's new copies, when one program
     output holds them all: none is split out per replica unless read."""
-    # (`_components`, inline: a compiled step calls this for every variable it writes)
-    components = variable._values if isinstance(variable, DistributedValues) else (variable,)
-    own = variable.__dict__
-    if own.get("_replica_ordered") is not components:
-        # A variable's components never change: their order is checked once.
-        indices = [c._replica_index for c in components]
-        if indices != list(range(len(components))):
-            r = next(r for r, i in enumerate(indices) if i != r)
-            raise ValueError(
-                f"defer_storage: component {r} of {variable.name!r} has replica index "
-                f"{indices[r]}, not {r}: source.component(i) is asked for by that "
-                "index, so deferral needs components in replica order. Store such a "
-                "variable's copies with swap_storage instead."
-            )
-        if components[0] is not variable:  # (a plain variable's tuple is made per call)
-            own["_replica_ordered"] = components
+    components = _components(variable)
+    indices = [c._replica_index for c in components]
+    if indices != list(range(len(components))):
+        r = next(r for r, i in enumerate(indices) if i != r)
+        raise ValueError(
+            f"defer_storage: component {r} of {variable.name!r} has replica index "
+            f"{indices[r]}, not {r}: source.component(i) is asked for by that "
+            "index, so deferral needs components in replica order. Store such a "
+            "variable's copies with swap_storage instead."
+        )
     # A compiled step defers every variable it writes, each step: no interpreted
     # call per component.
-    if len(components) == 1:
-        state = components[0].__dict__
-        state.pop("_array", None)
-        state["_pending"] = source
-        return
-    states = list(map(_STATE, components))
+    states = [c.__dict__ for c in components]
     collections.deque(map(_DROP_ARRAY, states), maxlen=0)
     for state in states:
         state["_pending"] = source
@@ -198,14 +187,12 @@ def deferred_storage(variable: Variable, source: StorageSource) -> list[Any] | N
     not (nothing outside the source holds it yet)."""
     # map over the components' dicts: a compiled step asks this of every variable it
     # takes, each step (no interpreted loop per component).
-    components = variable._values if isinstance(variable, DistributedValues) else (variable,)
-    states = list(map(_STATE, components))
+    states = [c.__dict__ for c in _components(variable)]
     if not all(map(operator.is_, map(_PENDING, states), repeat(source))):
         return None
     return list(map(_ARRAY, states))
 
 
-_STATE = operator.attrgetter("__dict__")
 _PENDING = operator.methodcaller("get", "_pending")
 _DROP_ARRAY = operator.methodcaller("pop", "_array", None)
 _ARRAY = operator.methodcaller("get", "_array")
