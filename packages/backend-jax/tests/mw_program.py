@@ -189,10 +189,10 @@ def uneven_here(strategy: pd.Strategy, rank: int) -> dict[str, list[np.ndarray]]
 
 
 def one_device(rank: int, timeout: float) -> dict[str, list[np.ndarray]]:
-    """Two workers of one replica each (where a worker's compiled step reads its
-    outputs while the step runs, and places the parameters it returns as the next
-    step's inputs then): parameters passed in and returned, a rank-0 loss, on
-    integer-valued float32 data (exact in any order)."""
+    """Two workers of one replica each (where a worker's compiled step holds each
+    output whole on its device, the parameters it returns the next step's inputs as
+    they are): parameters passed in and returned, a rank-0 loss, on integer-valued
+    float32 data (exact in any order)."""
     import jax.numpy as jnp
 
     options = pd.experimental.CommunicationOptions(timeout_seconds=timeout)
@@ -212,8 +212,11 @@ def one_device(rank: int, timeout: float) -> dict[str, list[np.ndarray]]:
         out[f"w_{s}"] = [np.asarray(w)]
         out[f"loss_{s}"] = [np.asarray(loss)]
     runner: Any = strategy.extended.backend._compiled
-    hit = runner._placed.get(id(w))
-    out["placed"] = [np.asarray(hit is not None and hit[0]() is w)]
+    # The parameters returned are the last step's output array's part: passed back in,
+    # that array is the input (`_worker_outputs`), with no global array built.
+    (plan,) = runner._plans[strategy.extended].values()
+    hit = plan.parted.get(id(w))
+    out["placed"] = [np.asarray(hit is not None and hit[1] is w and hit[0].shape == w.shape)]
     out["loss_rank"] = [np.asarray(np.ndim(loss))]
     return out
 

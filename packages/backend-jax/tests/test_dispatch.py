@@ -1014,6 +1014,40 @@ def test_one_device_outputs_passed_back_in_are_taken_by_identity(
     assert backend.compile_count == 1
 
 
+def test_one_device_results_are_the_programs_outputs_in_fns_structure() -> None:
+    # One device: a result whose leaves are all program outputs (this replica's values
+    # and all-reduced ones) is those outputs put in fn's structure as they are; one
+    # with another leaf (a Python object) is regrouped leaf by leaf. Both as core's
+    # regroup gives them.
+    strategy, backend = make(1)
+
+    def step(x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return {"sum": ctx.all_reduce("SUM", x), "pair": (x * 2.0, jnp.sum(x))}
+
+    def tagged(x: Any) -> Any:
+        return step(x), "tag"
+
+    for k in range(4):
+        x = jnp.arange(3.0) + k  # a new array each call
+        want = np.arange(3.0) + k
+        out = strategy.run(step, (x,))
+        out_tagged, tag = strategy.run(tagged, (x,))
+        for got in (out, out_tagged):
+            assert sorted(got) == ["pair", "sum"] and type(got["pair"]) is tuple
+            np.testing.assert_array_equal(np.asarray(got["sum"]), want)
+            np.testing.assert_array_equal(np.asarray(got["pair"][0]), want * 2.0)
+            assert np.ndim(got["pair"][1]) == 0 and float(got["pair"][1]) == want.sum()
+        assert tag == "tag"
+    plans = backend._compiled._plans[strategy.extended]
+    # Flat outputs: this replica's (x * 2, its sum), then the all-reduced sum; the
+    # result's leaves in key order: pair[0], pair[1], sum.
+    assert plans[step].dispatch.picks == [0, 1, 2]
+    assert plans[tagged].dispatch.picks is None
+    assert backend.compile_count == 2
+
+
 @pytest.mark.parametrize("n", [1, N])
 def test_variables_a_step_leaves_alone_are_no_inputs_of_it(
     n: int, monkeypatch: pytest.MonkeyPatch

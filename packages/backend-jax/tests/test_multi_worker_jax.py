@@ -160,9 +160,10 @@ def test_a_worker_that_cannot_compile_a_step_meets_the_others_compiled_agreement
 def test_workers_of_one_replica_pass_their_returned_parameters_back_exactly(
     tmp_path: Path,
 ) -> None:
-    """One replica per worker: each step's outputs are read while it runs, and the
-    parameters it returns are placed as the next step's inputs then. Every step's
-    parameters and rank-0 loss are exact (integer-valued float32) on both workers."""
+    """One replica per worker: each step's outputs are held whole on the worker's
+    device, and the parameters it returns are the next step's inputs as they are. Every
+    step's parameters and rank-0 loss are exact (integer-valued float32) on both
+    workers."""
     codes = ENGINE.run(tmp_path, "one_device", "--timeout", "30", timeout=90)
     assert codes == [0, 0], [mpt.stderr(tmp_path, w)[-2000:] for w in range(mpt.WORKERS)]
     per_worker = [mw_program.load(tmp_path / f"one_device{w}.npz") for w in range(mpt.WORKERS)]

@@ -609,6 +609,10 @@ class _Plan:
     # The last direct call's split outputs, by id of their first part: a distributed
     # value of exactly those parts (parameters passed back in) is that array again.
     recent: dict[int, tuple[Any, list[Any]]] = field(default_factory=dict)
+    # Across processes, a worker with one replica: the last call's split outputs, each
+    # held whole on the device (`_worker_outputs`), by id of the worker's part; that
+    # part passed back in as a shared input (parameters returned) is that array again.
+    parted: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
 
 # How `CompiledRunner.run_direct` hands over each of core's leaves of ``(args, kwargs)``:
@@ -650,6 +654,9 @@ class _Dispatch:
     # again): such a leaf is that output, in place, of the aval checked when found.
     last: list[weakref.ref[Any]] | None = None
     passed_back: list[int | None] | None = None
+    # One device, every result leaf a program output: each one's index among the
+    # program's flat outputs (the result is those outputs, unflattened).
+    picks: list[int] | None = None
 
 
 # A plan column's references when only the direct path knows its components (`_reuse`
@@ -1088,7 +1095,9 @@ class CompiledRunner:
                 # then run with every cross-process wait bounded; the program's first
                 # collective is the processes' agreement on it (`ProcessGroup`).
                 if program.executable is None:
-                    program.executable = group.compile(program.jitted, mesh, inputs)
+                    program.executable = group.compile(
+                        _worker_outputs(program.jitted, program, mesh), mesh, inputs
+                    )
                 assert program.signature is not None, "set by _prepare_across"
                 why, outputs = group.execute(program.signature, mesh, program.executable, inputs)
                 if why is not None:
@@ -1293,10 +1302,10 @@ class CompiledRunner:
             return expected
         if program.single is not None:
             # One device: the outputs are single-device arrays, rank 0 as returned.
-            if dispatch.leaf:
-                how, index, obj = dispatch.outputs[0]
-                if how in (_R_PARTS, _R_FIRST):  # fn returned one array, this one
-                    return (split if obj == "split" else replicated)[index]
+            picks = dispatch.picks
+            if picks is not None:
+                leaves = [flat_out[j] for j in picks]
+                return leaves[0] if dispatch.leaf else _nest.unflatten(program.out_spec, leaves)
             split_parts = [[g] for g in split]
             replicated_parts = [[g] for g in replicated]
             return _direct_result(program, dispatch, split_parts, replicated_parts, variables, flat)
@@ -1315,11 +1324,18 @@ class CompiledRunner:
         """Keeps this call's split outputs (several parts, not rank 0) for the next
         call (`_Plan.recent`); held until then, as the caller usually holds them."""
         recent: dict[int, tuple[Any, list[Any]]] = {}
+        parted: dict[int, tuple[Any, Any]] = {}
         scalars = program.scalars or ()
         for i, parts in enumerate(split_parts):
-            if len(parts) > 1 and i not in scalars:
+            if i in scalars:
+                continue
+            if len(parts) > 1:
                 recent[id(parts[0])] = (split[i], parts)
+            elif parts[0] is not split[i] and split[i].shape == parts[0].shape:
+                # (`_worker_outputs`)
+                parted[id(parts[0])] = (split[i], parts[0])
         plan.recent = recent
+        plan.parted = parted
 
     def _early_parts(
         self, program: _Program, dispatch: _Dispatch, mesh: _Mesh, outputs: Any
@@ -1338,8 +1354,9 @@ class CompiledRunner:
                 if k in (_D_ARRAY, _D_ONE)
             )
         if shared:
-            for (part,) in parts[0]:
-                if part.ndim and _aval(part) in shared:
+            for (part,), array in zip(parts[0], split, strict=True):
+                # (`_worker_outputs`: the output is such an input already, `_Plan.parted`)
+                if part.ndim and _aval(part) in shared and array.shape != part.shape:
                     self._replicated(part, mesh)
         return outputs, parts
 
@@ -1396,6 +1413,11 @@ class CompiledRunner:
             else:  # a replica's own input or copy, an empty array: core's regroup each time
                 plan.direct = False
                 return None
+        picks = None
+        program = plan.program
+        if program.single is not None and all(o[0] in (_R_PARTS, _R_FIRST) for o in outputs):
+            a = program.counts[0]
+            picks = [index if obj == "split" else a + index for _, index, obj in outputs]
         # Arguments that are all leaves (types decide what a leaf is): a later call whose
         # arguments have the same types needs no flattening.
         simple = not kwargs and len(flat) == len(args) and all(map(operator.is_, flat, args))
@@ -1409,6 +1431,7 @@ class CompiledRunner:
             held=[None] * len(flat),
             outputs=outputs,
             leaf=plan.program.out_spec.is_leaf(),
+            picks=picks,
         )
         return plan.dispatch
 
@@ -1448,7 +1471,11 @@ class CompiledRunner:
                     continue
                 if not isinstance(x, jax.Array) or is_tracer(x) or _aval(x) != dispatch.avals[i]:
                     return None
-                placed = self._replicated(x, mesh)
+                output = plan.parted.get(id(x))
+                if output is not None and output[1] is x:
+                    placed = output[0]  # an output of the last call, passed back in
+                else:
+                    placed = self._replicated(x, mesh)
                 ref = _ref(x)
                 refs[i] = [ref] * n
                 if back is not None and placed is x:
@@ -2647,25 +2674,31 @@ def _unread_variables(
     return ClosedJaxpr(pruned, closed.consts), [i for i, u in enumerate(used) if u]
 
 
-def _rank0_outputs(run: Callable[..., Any], program: _Program, mesh: _Mesh) -> Callable[..., Any]:
-    """``run`` (a program's flat function) with its rank-0 per-replica results rank 0 on
-    each device: a ``shard_map`` of that block's reshape, whose output JAX takes to be
-    replicated (``out_specs=P()``, unchecked) while each device holds its own replica's
-    value. Each device's part then is that replica's rank-0 array as it is, where the
-    ``[1]`` block would need a reshape dispatched per device after the step (XLA:CPU
-    ran the MLP step of ``benchmarks/bench_jax.py`` ~3% longer with its loss read so).
-    The global array is no true replicated value: only its parts (`_Mesh.parts`) are
-    ever handed out. One process only (across processes every output is global)."""
-    scalars = _scalars(program)
-    if not scalars or mesh.spans_processes:
-        return run
-    to_rank0: Callable[..., Any] = jax.shard_map(
-        lambda block: jnp.reshape(block, ()),
+def _as_parts(mesh: _Mesh, scalar: bool) -> Callable[[Any], Any]:
+    """A split output's per-replica blocks (rank 0 for ``scalar``) as an array JAX takes
+    to be replicated (``out_specs=P()``, unchecked) while each device holds its own
+    replica's block. That global array is no true replicated value: only its parts
+    (`_Mesh.parts`) are handed out, or it is passed in again as a shared input, which
+    holds each replica's own value the same way (`_Mesh.replicate`)."""
+    return jax.shard_map(
+        (lambda block: jnp.reshape(block, ())) if scalar else (lambda block: block),
         mesh=mesh.mesh,
         in_specs=pspec(mesh.axis),
         out_specs=pspec(),
         check_vma=False,
     )
+
+
+def _rank0_outputs(run: Callable[..., Any], program: _Program, mesh: _Mesh) -> Callable[..., Any]:
+    """``run`` (a program's flat function) with its rank-0 per-replica results rank 0 on
+    each device (`_as_parts`). Each device's part then is that replica's rank-0 array
+    as it is, where the ``[1]`` block would need a reshape dispatched per device after
+    the step (XLA:CPU ran the MLP step of ``benchmarks/bench_jax.py`` ~3% longer with
+    its loss read so). One process only (across processes: `_worker_outputs`)."""
+    scalars = _scalars(program)
+    if not scalars or mesh.spans_processes:
+        return run
+    to_rank0 = _as_parts(mesh, True)
 
     def with_rank0(*args: Any) -> list[Any]:
         flat = list(run(*args))
@@ -2674,6 +2707,25 @@ def _rank0_outputs(run: Callable[..., Any], program: _Program, mesh: _Mesh) -> C
         return flat
 
     return with_rank0
+
+
+def _worker_outputs(jitted: Callable[..., Any], program: _Program, mesh: _Mesh) -> Any:
+    """``program.jitted`` across processes, where each worker has one replica: every
+    split output as its replica's block on each device (`_as_parts`), so a worker's
+    part of it is the output's one buffer, no reshape dispatched for rank-0 results,
+    and a part passed in again as a shared input (parameters returned and passed back)
+    takes the output array itself (`_early_parts`), not one built per step."""
+    if len(mesh.devices) != 1 or not mesh.spans_processes:
+        return jitted
+    scalars = set(_scalars(program))
+    whole, rank0 = _as_parts(mesh, False), _as_parts(mesh, True)
+
+    def per_worker(*args: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+        split, replicated, updated, checks = jitted(*args)
+        split = [(rank0 if i in scalars else whole)(g) for i, g in enumerate(split)]
+        return split, replicated, updated, checks
+
+    return jax.jit(per_worker)
 
 
 def _block_aval(array: Any, mesh: _Mesh) -> Any:
