@@ -193,6 +193,7 @@ def one_device(rank: int, timeout: float) -> dict[str, list[np.ndarray]]:
     output whole on its device, the parameters it returns the next step's inputs as
     they are): parameters passed in and returned, a rank-0 loss, on integer-valued
     float32 data (exact in any order)."""
+    import jax
     import jax.numpy as jnp
 
     options = pd.experimental.CommunicationOptions(timeout_seconds=timeout)
@@ -207,10 +208,23 @@ def one_device(rank: int, timeout: float) -> dict[str, list[np.ndarray]]:
     w = jnp.asarray(np.array([1, 2, 3], np.float32))
     x = jnp.asarray(np.array([1, 2, 4], np.float32) * (rank + 1))
     out: dict[str, list[np.ndarray]] = {}
-    for s in range(ONE_DEVICE_STEPS):
-        w, loss = strategy.run(step, args=(w, x))
-        out[f"w_{s}"] = [np.asarray(w)]
-        out[f"loss_{s}"] = [np.asarray(loss)]
+    # What each call waits for: the agreement's gathered digests, not the step.
+    waited: list[list[tuple[int, ...]]] = []
+    real = jax.block_until_ready
+
+    def recording(x: Any) -> Any:
+        waited.append([np.shape(leaf) for leaf in jax.tree.leaves(x)])
+        return real(x)
+
+    jax.block_until_ready = recording
+    try:
+        for s in range(ONE_DEVICE_STEPS):
+            w, loss = strategy.run(step, args=(w, x))
+            out[f"w_{s}"] = [np.asarray(w)]
+            out[f"loss_{s}"] = [np.asarray(loss)]
+    finally:
+        jax.block_until_ready = real
+    out["waited"] = [np.asarray(waited)]
     runner: Any = strategy.extended.backend._compiled
     # The parameters returned are the last step's output array's part: passed back in,
     # that array is the input (`_worker_outputs`), with no global array built.

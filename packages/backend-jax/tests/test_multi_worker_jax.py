@@ -178,6 +178,10 @@ def test_workers_of_one_replica_pass_their_returned_parameters_back_exactly(
     for r in per_worker:
         assert int(r["loss_rank"][0]) == 0
         assert bool(r["placed"][0])
+        # Each step waited for the agreement alone: one (workers, digest words) array.
+        waited = r["waited"][0]
+        assert waited.shape == (mw_program.ONE_DEVICE_STEPS, 1, 2), waited
+        assert (waited[:, 0, 0] == mpt.WORKERS).all() and (waited[:, 0, 1] > 1).all()
 
 
 # --------------------------------------------------------------------------- faults

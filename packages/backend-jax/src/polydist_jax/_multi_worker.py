@@ -591,16 +591,19 @@ class _Cluster(mp.ClusterMembership):
         return out.addressable_data(0)
 
     # -- compiled runs (polydist_jax._spmd.ProcessGroup) -----------------------------------
-    # Every compiled step begins with the workers' agreement on its program: one tiny XLA
-    # all-gather of each worker's digest (`_digest_array`), over the step's own mesh,
-    # then the step's body in a ``lax.cond`` on the digests being equal. So a step is one
-    # program and one wait, not an agreement and then the program (two waits, two
-    # dispatches: about 1 ms more per step on CPU). The all-gather is the first
-    # cross-process collective of every such program, the same in all of them, so that
-    # workers at different programs (or one that cannot compile: `agree` runs the
-    # all-gather alone) meet there, all see the digests differ, skip the body, and run
-    # the call eagerly together. With checks on, the step is numbered as a checked
-    # collective; its signature reaches the store only if the step waits (a peer at
+    # Every compiled step is preceded by the workers' agreement on its program: one tiny
+    # XLA all-gather of each worker's digest (`_digest_array`), over the step's own mesh,
+    # a program of its own whose gathered rows the step takes as its first input, running
+    # its body in a ``lax.cond`` on the digests being equal. The host dispatches both and
+    # waits for the rows only, never for the step: the step's outputs come back while it
+    # runs, and the host's work for the next step overlaps it (waiting for the step too,
+    # as before the agreement moved into the step's program, cost about 1 ms per step on
+    # CPU; a step with the all-gather inside made the host wait for the whole step). The
+    # all-gather is the first cross-process collective of every step, the same for all,
+    # so that workers at different programs (or one that cannot compile: `agree` runs
+    # the all-gather alone) meet there, all see the digests differ, skip the body, and
+    # run the call eagerly together. With checks on, the step is numbered as a checked
+    # collective; its signature reaches the store only if the agreement waits (a peer at
     # another, store-checked collective then raises the mismatch).
     def agree(self, signature: bytes | None, mesh: _Mesh) -> str | None:
         """A step's agreement alone (see `polydist_jax._spmd.ProcessGroup`)."""
@@ -608,20 +611,20 @@ class _Cluster(mp.ClusterMembership):
         return self._disagreement(out, signature, mesh)
 
     def compile(self, jitted: Any, mesh: _Mesh, inputs: Sequence[Any]) -> Any:
-        """``jitted`` behind the agreement (see `polydist_jax._spmd.ProcessGroup`)."""
-        rows_of = self._rows_of(mesh)
+        """``jitted`` behind the agreement, taking its gathered rows first (see
+        `polydist_jax._spmd.ProcessGroup`)."""
 
-        def step(digest: Any, *args: Any) -> Any:
-            rows = rows_of(digest)
+        def step(rows: Any, *args: Any) -> Any:
             agreed = jnp.all(rows[:, 0] == 1) & jnp.all(rows == rows[0])
             shapes = jax.eval_shape(jitted, *args)
             outputs = jax.lax.cond(
                 agreed, lambda: jitted(*args), lambda: jax.tree.map(_zeros, shapes)
             )
-            return rows, outputs
+            return outputs
 
         digest = self._digest_array(None, mesh)[0]
-        return jax.jit(step).lower(digest, *inputs).compile()
+        rows = jax.ShapeDtypeStruct(digest.shape, digest.dtype, sharding=mesh.replicated)  # type: ignore[no-untyped-call]
+        return jax.jit(step).lower(rows, *inputs).compile()
 
     def execute(
         self,
@@ -633,20 +636,22 @@ class _Cluster(mp.ClusterMembership):
     ) -> tuple[str | None, Any]:
         """Runs `compile`'s ``executable`` (see `polydist_jax._spmd.ProcessGroup`)."""
         made: list[Any] = []
+        rows_program = self._rows_program(mesh)
 
         def run(digest: Any) -> Any:
-            rows, outputs = executable(digest, *inputs)
+            rows = rows_program(digest)
+            outputs = executable(rows, *inputs)
             made.append(outputs if then is None else then(outputs))
-            return rows, outputs
+            return rows  # the wait: the agreement, not the step
 
-        rows, _ = self._agreed(signature, mesh, run)
+        rows = self._agreed(signature, mesh, run)
         why = self._disagreement(rows, signature, mesh)
         return why, (None if why is not None else made[0])
 
     def _agreed(self, signature: bytes | None, mesh: _Mesh, run: Callable[[Any], Any]) -> Any:
-        """``run(digest)`` of this worker's digest of ``signature``: a step whose first
-        collective is the agreement, bounded and checked (see `agree`); ``run``'s host
-        work after its dispatch overlaps the step (the wait comes after it)."""
+        """``run(digest)`` of this worker's digest of ``signature``: the agreement (and the
+        step behind it), bounded and checked (see `agree`); ``run`` returns what is waited
+        for, the gathered rows, and its host work after its dispatches overlaps them."""
         digest = self._digest_array(signature, mesh)[0]
         pending = self.announce(_RUN)
         self._announced = pending

@@ -966,8 +966,8 @@ class ProcessGroup(Protocol):
     """The processes a compiled run spans (``polydist_jax._multi_worker``'s cluster).
 
     Every process agrees on the program before its collectives run: a compiled step
-    begins with that agreement (`compile`), so each step costs one program, not an
-    agreement and then the program."""
+    takes that agreement's result as an input (`compile`), and the host waits for the
+    agreement only, not for the step (`execute`)."""
 
     def agree(self, signature: bytes | None, mesh: _Mesh) -> str | None:
         """The agreement of a step, alone (a collective of every process): None if all
@@ -990,10 +990,12 @@ class ProcessGroup(Protocol):
         then: Callable[[Any], Any] | None = None,
     ) -> tuple[str | None, Any]:
         """Runs `compile`'s ``executable`` (whose digest is ``signature``) on
-        ``inputs``, waited for within the cluster's bounds (its failures become the
-        cluster's errors): (None, its outputs) if every process ran the same program,
-        else (why not, None). ``then``: applied to the outputs once dispatched, before
-        the wait (host work that overlaps the step); the pair then holds its value."""
+        ``inputs`` behind the agreement, which is waited for within the cluster's bounds
+        (its failures become the cluster's errors; the step is not waited for: a stuck
+        step holds up the next call's agreement, which the bounds then end): (None, its
+        outputs) if every process ran the same program, else (why not, None). ``then``:
+        applied to the outputs once dispatched, before the wait (host work that
+        overlaps the step); the pair then holds its value."""
         ...
 
 
