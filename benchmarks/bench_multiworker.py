@@ -16,7 +16,8 @@ tensor size (1, 4, 16, 64 MiB of float32) and engine, in one run:
   the rendezvous store (each worker sets a key, copies, then waits for
   every worker's key: what the collective check costs), the in-place call;
   JAX, **agree + raw**: one program that all-gathers every worker's program
-  digest (a tiny all-gather, the first collective of each compiled step), then
+  digest (a tiny all-gather, the first collective of each compiled step; polydist
+  runs it as a program of its own right before the step), then
   runs the raw ``psum`` under a ``lax.cond`` on the digests being equal, its
   digests read back on the host. ``raw / floor`` bounds the ratio any
   implementation with TF's
@@ -525,12 +526,13 @@ def main() -> int:
         "'copy + in-place' is that least cost written by hand; 'out-of-place "
         "funcol.all_reduce' is torch's own out-of-place all_reduce (it clones). jax's psum is "
         "out of place already; a compiled multi-process step pays one small XLA all-gather "
-        "first, in the same program (the program digest the workers agree on), and the "
-        "Python work of strategy.run. "
+        "first, a program of its own whose result the step takes (the program digest the "
+        "workers agree on; the host waits for it, not for the step), and the Python work "
+        "of strategy.run. "
         "Each engine's floor is written by hand with the engine's own calls: torch, a round "
         "trip through the rendezvous store (the check; checks off: none) + the copy + the "
         "in-place call; jax, one program: the digest all-gather, then the raw psum under "
-        "a lax.cond on the digests (read back on the host), as each compiled step runs. "
+        "a lax.cond on the digests (read back on the host). "
         "'the floor vs the raw collective' (raw time / floor time) bounds the ratio any "
         "implementation of these semantics can reach; 'vs its floor' is the share left to "
         "polydist's own work.",

@@ -30,9 +30,10 @@ Contestants, in one run, on the same data and starting weights:
   the shard, computes ``jax.grad``, ``ctx.all_reduce(SUM, grads)`` and returns
   the new weights (passed in again at the next step), on
   ``pd.MultiWorkerMirroredStrategy(backend="jax")``: one compiled program per
-  step, which begins with the workers' agreement on it (a tiny all-gather of
-  their program digests) and packs the gradients below 1 MiB into one
-  all-reduce operand;
+  step, behind the workers' agreement on it (a tiny all-gather of their
+  program digests, dispatched right before it and the only thing the host
+  waits for), which packs the gradients below 1 MiB into one all-reduce
+  operand;
 * JAX **hand-written**: the same function as one ``jax.jit(jax.shard_map(...))``
   over the multi-process mesh (``jax.distributed``), the weights replicated, in
   two ways: ``lax.psum`` of the gradients' list (XLA:CPU runs each operand as a

@@ -10,7 +10,7 @@ one per local device (``local_devices=D``; on CPU this sets
 worker-major, so the mesh's linear index is the global replica id. Each
 worker assembles its global inputs from its own replicas' values, and gets
 back its own replicas' outputs and variable copies. The workers agree on the
-program inside it: each compiled step begins with one small all-gather of a
+program first: each compiled step is preceded by one small all-gather of a
 digest of the function, its input shapes and the collectives of its trace,
 and runs its body under ``lax.cond`` only if every digest is the same
 (`_Cluster.compile`); when one differs or cannot compile, every worker runs
