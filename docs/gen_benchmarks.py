@@ -49,7 +49,9 @@ conformance suite and the backends' tests there; `multiworker-cpu16` is the
 multi-worker benchmark on that machine's 16 CPU cores (run with `FULL=1`), and
 `multiworker-step-cpu16` the JAX training step there (1 and 4 MiB,
 `BENCH_SIZES=1,4 JAX_PLATFORMS=cpu python benchmarks/bench_multiworker_step.py
---engine jax --name multiworker-step-cpu16`). On that machine the
+--engine jax --name multiworker-step-cpu16`; `multiworker-step-pipelined-cpu16`
+the same with `BENCH_PIPELINED=1`: steps in flight, each burst of steps waiting
+once at its end, informational). On that machine the
 timings of a 1-2 ms step varied by up to 30% between runs of the same code.
 
 `torch-peers-cpu` (`benchmarks/bench_peers_torch.py`) trains one MLP (512 ->
