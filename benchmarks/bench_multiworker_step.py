@@ -38,7 +38,10 @@ Contestants, in one run, on the same data and starting weights:
   over the multi-process mesh (``jax.distributed``), the weights replicated, in
   two ways: ``lax.psum`` of the gradients' list (XLA:CPU runs each operand as a
   collective of its own across processes) and **packed**: ``lax.psum`` of the
-  gradients concatenated into one flat array, split afterwards.
+  gradients concatenated into one flat array, split afterwards;
+* JAX, informational, **agreed packed**: what polydist's semantics cost at
+  least, by hand: the workers' digests all-gathered in a program of their own
+  and read back on the host, the packed step under a ``lax.cond`` on them.
 
 Each sample is a burst of back-to-back steps after a barrier; the contestants
 alternate round by round; the time is worker 0's median sample. ``ratio =
@@ -363,6 +366,32 @@ def _jax_worker() -> list[dict[str, Any]]:
 
     hand, packed = compiled(hand_fn), compiled(packed_fn)
 
+    # polydist's semantics by hand: each worker's program digest all-gathered in a
+    # program of its own, the packed step under lax.cond on the digests, the host
+    # reading the digests back (what polydist's compiled step runs, without its Python).
+    gather = jax.jit(
+        jax.shard_map(
+            functools.partial(jax.lax.all_gather, axis_name="p", tiled=True),
+            mesh=mesh,
+            in_specs=P("p"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    mine_digest = np.arange(8, dtype=np.uint32)[None] + 1
+    digest = jax.make_array_from_single_device_arrays(
+        (WORKERS, 8), split, [jax.device_put(mine_digest, mine)]
+    )
+    expected = np.repeat(mine_digest, WORKERS, axis=0).tobytes()
+
+    @jax.jit
+    def agreed_packed(rows: Any, w: list[Any], x: Any, y: Any) -> Any:
+        shapes = jax.eval_shape(packed, w, x, y)
+        zeros = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
+        return jax.lax.cond(
+            jnp.all(rows == rows[0]), lambda: packed(w, x, y), lambda: zeros(shapes)
+        )
+
     def global_of(local: np.ndarray, sharding: NamedSharding, stacked: bool) -> Any:
         block = jax.device_put(local, mine)
         shape = (WORKERS * local.shape[0], *local.shape[1:]) if stacked else local.shape
@@ -385,6 +414,7 @@ def _jax_worker() -> list[dict[str, Any]]:
         gx, gy = global_of(xn, split, True), global_of(yn, split, True)
 
         packed_state: dict[str, Any] = {"w": list(hand_state["w"])}
+        agreed_state: dict[str, Any] = {"w": list(hand_state["w"])}
 
         def hand_step(
             state: dict[str, Any] = hand_state, x: Any = gx, y: Any = gy, step: Any = hand
@@ -397,14 +427,33 @@ def _jax_worker() -> list[dict[str, Any]]:
         def packed_step(state: dict[str, Any] = packed_state, x: Any = gx, y: Any = gy) -> None:
             hand_step(state, x, y, packed)
 
-        states = {"polydist": state, "jit_shard_map": hand_state, "packed": packed_state}
+        def agreed_step(state: dict[str, Any] = agreed_state, x: Any = gx, y: Any = gy) -> None:
+            rows = gather(digest)
+            w, _loss = agreed_packed(rows, state["w"], x, y)
+            if np.asarray(rows).tobytes() != expected:
+                raise RuntimeError("the workers' digests differ")
+            state["w"] = w
+            if not PIPELINED:
+                jax.block_until_ready(w)
+
+        states = {
+            "polydist": state,
+            "jit_shard_map": hand_state,
+            "packed": packed_state,
+            "agreed_packed": agreed_state,
+        }
         times = _medians(
-            {"polydist": polydist_step, "jit_shard_map": hand_step, "packed": packed_step},
+            {
+                "polydist": polydist_step,
+                "jit_shard_map": hand_step,
+                "packed": packed_step,
+                "agreed_packed": agreed_step,
+            },
             _burst(mib),
             barrier,
             {k: functools.partial(_wait, jax, s) for k, s in states.items()} if PIPELINED else None,
         )
-        for other in (hand_state, packed_state):
+        for other in (hand_state, packed_state, agreed_state):
             for a, b in zip(state["w"], other["w"], strict=True):
                 np.testing.assert_allclose(
                     np.asarray(a), np.asarray(b.addressable_data(0)), rtol=1e-4, atol=1e-6
@@ -418,8 +467,10 @@ def _jax_worker() -> list[dict[str, Any]]:
 
 _HAND = {"torch": ("bucket", "per_parameter"), "jax": ("jit_shard_map", "packed")}
 #: Hand-written code with polydist's semantics (informational: no target).
-_SAME_SEMANTICS = {"torch": "copy_bucket"}
+_SAME_SEMANTICS = {"torch": "copy_bucket", "jax": "agreed_packed"}
 _HAND_WORDS = {
+    "agreed_packed": "the same semantics by hand (the workers' digests all-gathered in a "
+    "program of their own and read back, the packed step under lax.cond on them)",
     "copy_bucket": "the same semantics by hand (the gradients copied into one flat buffer, "
     "one in-place dist.all_reduce, views handed out)",
     "bucket": "hand-written DDP bucket (gradient views of one flat buffer, one in-place "
