@@ -1125,6 +1125,35 @@ def test_one_replicas_per_replica_inputs_take_the_direct_path(
     assert float(total) == 6.0 and prepares == [1] and backend.compile_count == 1
 
 
+def test_leaves_of_another_kind_than_before_take_the_direct_path_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One replica: calls with plain arrays, then with a one-replica PerReplica of new
+    # arrays each call (what a dataset of one replica gives), then plain arrays again.
+    # Each change of kind runs core's path once; the calls after it are replayed
+    # (before, the replay made for the first kind kept every later call off it).
+    strategy, backend = make(1)
+    prepares = count_prepares(backend, monkeypatch)
+
+    def step(w: Any, x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return w + ctx.all_reduce("SUM", x)
+
+    device = jax.devices()[0]
+    w, want = jnp.zeros(3), np.zeros(3)
+    kinds = [False] * 3 + [True] * 4 + [False] * 3
+    for k, wrapped in enumerate(kinds):
+        x = jax.device_put(np.full(3, float(k + 1), np.float32), device)  # a new batch
+        w = strategy.run(step, (w, pd.PerReplica([x]) if wrapped else x))
+        want = want + (k + 1)
+        np.testing.assert_array_equal(np.asarray(w), want)
+    # Core's path: the first call, the first call of each new kind; every other one
+    # was replayed.
+    assert len(prepares) == 3, prepares
+    assert backend.compile_count == 1
+
+
 @pytest.mark.parametrize("dce", ["absent", "another signature"])
 def test_without_jaxs_dead_code_elimination_every_variable_stays_an_input(
     dce: str, monkeypatch: pytest.MonkeyPatch

@@ -653,11 +653,13 @@ class _Dispatch:
     # leaf the output found passed back in at it (parameters returned and passed in
     # again): such a leaf is that output, in place, of the aval checked when found.
     last: list[weakref.ref[Any]] | None = None
-    passed_back: list[int | None] | None = None
+    passed_back: list[int | None] | None = None  # (_NOT_BACK: no output found there)
     # One device, every result leaf a program output: each one's index among the
     # program's flat outputs (the result is those outputs, unflattened).
     picks: list[int] | None = None
 
+
+_NOT_BACK = -1  # `_Dispatch.passed_back`: the leaf's first new array was no output
 
 # A plan column's references when only the direct path knows its components (`_reuse`
 # then classifies it again): they refer to nothing a caller can pass.
@@ -1201,6 +1203,11 @@ class CompiledRunner:
         mesh = plan.mesh
         whole = self._direct_inputs(plan, dispatch, flat, mesh)
         if whole is None:
+            # Core's path runs the call (and updates the plan); the replay is made again
+            # from the plan at the next call, so that leaves of another kind than this
+            # one's (a one-replica PerReplica after plain arrays) do not keep every
+            # later call off this path.
+            plan.dispatch = None
             return NOT_HANDLED
         variables: list[Variable] = []
         cache = self._variable_inputs
@@ -1465,7 +1472,7 @@ class CompiledRunner:
             if kind == _D_ARRAY:
                 if refs[i][0]() is x:
                     continue
-                if back is not None and (j := back[i]) is not None and last[j]() is x:
+                if back is not None and (j := back[i]) is not None and j >= 0 and last[j]() is x:
                     refs[i] = [last[j]]  # an output of the last call: on its device
                     slot = slots[i]
                     assert slot is not None, "an array leaf is a program input"
@@ -1480,8 +1487,11 @@ class CompiledRunner:
                     placed = self._replicated(x, mesh)
                 ref = _ref(x)
                 refs[i] = [ref] * n
-                if back is not None and placed is x:
-                    back[i] = next((j for j, r in enumerate(last) if r() is x), None)
+                if back is not None and placed is x and back[i] != _NOT_BACK:
+                    # (a leaf whose first new array was no output, a batch, is not
+                    # looked for among the outputs again)
+                    found = next((j for j, r in enumerate(last) if r() is x), None)
+                    back[i] = _NOT_BACK if found is None else found
             else:
                 if not isinstance(x, DistributedValues) or x._select_whole:
                     return None
@@ -2070,6 +2080,8 @@ class CompiledRunner:
         value passed again each step is placed once."""
         if not isinstance(value, jax.Array):
             return mesh.replicate(value)
+        if mesh.single_device and value.committed and value.sharding == mesh.single[0]:
+            return value  # already the input (a new batch each step): nothing to remember
         key = id(value)
         hit = self._placed.get(key)
         if hit is not None and hit[0]() is value and hit[1] is mesh:
