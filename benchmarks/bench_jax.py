@@ -18,7 +18,12 @@ process (the machine may be shared, so load hits all alike):
   (``Dense`` layers, SGD): ``model.train_on_batch``, and the jitted stateless
   training step of Keras's JAX guide (``stateless_call`` + ``stateless_apply``,
   state donated). Optional: skipped (and said so) when ``keras`` is not installed;
-  ``nox -s bench-jax`` installs it.
+  ``nox -s bench-jax`` installs it;
+* ``polydist_params_new_batch`` against ``hand_new_batch`` (no target), in rounds
+  of their own: the parameters passed in, fed a new batch each step (8 batches
+  already on the devices, cycled, as a prefetching input pipeline gives them:
+  polydist a ``PerReplica`` of each batch's shards, the hand-written step its
+  global array). The rows above feed one batch every step.
 
 Each step ends by waiting for its results (``jax.block_until_ready``), as a
 training loop that reads its loss each step does: the hand-written step's params
@@ -83,6 +88,7 @@ psum: Callable[..., Any] = jax.lax.psum
 FEATURES = 512
 HIDDEN = 512
 GLOBAL_BATCH = 1024
+NEW_BATCHES = 8  # the batches a "new batch each step" loop cycles through
 LR = 0.01
 STEP_TARGET = 1.02  # MLP step, polydist / hand-written, on 8 CPU devices
 TRIVIAL_TARGET = 2.0  # trivial run, polydist / hand-written
@@ -234,6 +240,7 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     strategy = pd.MirroredStrategy(backend=backend)
     params_strategy = pd.MirroredStrategy(backend=backend)
     read_strategy = pd.MirroredStrategy(backend=backend)  # a plan per loop, as a user's
+    batches_strategy = pd.MirroredStrategy(backend=backend)
     mesh = Mesh(np.array(devices), ("d",))
     rng = np.random.default_rng(0)
     x_host = rng.normal(size=(GLOBAL_BATCH, FEATURES)).astype(np.float32)
@@ -243,6 +250,18 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     # The same device buffers, seen per replica.
     x_pr = pd.PerReplica([s.data for s in x_global.addressable_shards])
     y_pr = pd.PerReplica([s.data for s in y_global.addressable_shards])
+    # A new batch each step, already on the devices (a prefetching input pipeline's):
+    # each as the global array the hand-written step takes and as the PerReplica of
+    # its shards that polydist takes. Batches repeat every NEW_BATCHES steps.
+    new_x = [jax.device_put(np.roll(x_host, k, axis=0), split) for k in range(NEW_BATCHES)]
+    new_y = [jax.device_put(np.roll(y_host, k, axis=0), split) for k in range(NEW_BATCHES)]
+    new_pr = [
+        (
+            pd.PerReplica([s.data for s in gx.addressable_shards]),
+            pd.PerReplica([s.data for s in gy.addressable_shards]),
+        )
+        for gx, gy in zip(new_x, new_y, strict=True)
+    ]
     init = init_params(1)
     with strategy.scope():
         variables = [pd.Variable(p) for p in init]
@@ -250,7 +269,11 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     state: dict[str, Any] = {
         "pd": replicate(params_strategy, [jnp.asarray(p) for p in init]),
         "pd_read": replicate(read_strategy, [jnp.asarray(p) for p in init]),
+        "pd_new": replicate(batches_strategy, [jnp.asarray(p) for p in init]),
         "hand": jax.device_put([jnp.asarray(p) for p in init], NamedSharding(mesh, P())),
+        "hand_new": jax.device_put([jnp.asarray(p) for p in init], NamedSharding(mesh, P())),
+        "k": 0,
+        "k_hand": 0,
     }
     hand = hand_written(mesh, n)
 
@@ -271,23 +294,43 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         state["hand"], loss = hand(state["hand"], x_global, y_global)
         block((state["hand"], loss))
 
+    def run_params_new_batch() -> None:
+        state["k"] = k = (state["k"] + 1) % NEW_BATCHES
+        x, y = new_pr[k]
+        state["pd_new"], loss = batches_strategy.run(polydist_params_step, (state["pd_new"], x, y))
+        block(loss)
+
+    def run_hand_new_batch() -> None:
+        state["k_hand"] = k = (state["k_hand"] + 1) % NEW_BATCHES
+        state["hand_new"], loss = hand(state["hand_new"], new_x[k], new_y[k])
+        block((state["hand_new"], loss))
+
     fns: dict[str, Callable[[], None]] = {
         "hand": run_hand,
         "polydist_params": run_params,
         "polydist_params_read_all": run_params_read,
         "polydist_variables": run_variables,
     }
+    # Measured apart (their own interleaved rounds), so that the rows above keep the
+    # context of earlier runs: on one GPU, more loops interleaved moved them by 0.1.
+    batch_fns: dict[str, Callable[[], None]] = {
+        "hand_new_batch": run_hand_new_batch,
+        "polydist_params_new_batch": run_params_new_batch,
+    }
     start = time.perf_counter()
     run_params()
     run_params_read()  # (its own strategy: its own first compile)
     run_variables()
+    run_params_new_batch()
     first_steps_s = time.perf_counter() - start
     compiles_first = backend.compile_count
     run_hand()
+    run_hand_new_batch()
     fns.update(keras_contestants(devices, init, x_global, y_global))
-    for fn in fns.values():  # warm up (compiles)
+    for fn in (*fns.values(), *batch_fns.values()):  # warm up (compiles)
         fn()
     times = interleaved(fns, rounds)
+    times.update(interleaved(batch_fns, rounds))
     recompiles = backend.compile_count - compiles_first
 
     # polydist computed the same steps from the same start as the hand-written code.
@@ -297,12 +340,23 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         for a, b in zip(state[key], state["hand"], strict=True):
             first = own.experimental_local_results(a)[0]
             np.testing.assert_allclose(np.asarray(first), np.asarray(b), rtol=1e-4, atol=1e-6)
+    for a, b in zip(state["pd_new"], state["hand_new"], strict=True):
+        first = batches_strategy.experimental_local_results(a)[0]
+        np.testing.assert_allclose(np.asarray(first), np.asarray(b), rtol=1e-4, atol=1e-6)
     for v, b in zip(variables, state["hand"], strict=True):
         np.testing.assert_allclose(v.numpy(), np.asarray(b), rtol=1e-4, atol=1e-6)
 
     medians = {name: statistics.median(t) for name, t in times.items()}
-    ratios = {name: paired_ratio(t, times["hand"]) for name, t in times.items() if name != "hand"}
-    for name in fns:
+    ratios = {
+        name: paired_ratio(t, times["hand"])
+        for name, t in times.items()
+        if name not in ("hand", "hand_new_batch", "polydist_params_new_batch")
+    }
+    # A new batch each step: against the hand-written step fed the same batches.
+    ratios["polydist_params_new_batch"] = paired_ratio(
+        times["polydist_params_new_batch"], times["hand_new_batch"]
+    )
+    for name in (*fns, *batch_fns):
         extra = f"  ratio {ratios[name]:.3f}" if name in ratios else ""
         print(
             f"{n} x {devices[0].platform}: MLP step  {name:22s} "
@@ -499,8 +553,9 @@ def main() -> int:
     ratios: list[dict[str, Any]] = []
     step_target = STEP_TARGET if platform == "cpu" else 1.05
     for name, ratio in step["ratio_to_hand_written"].items():
+        fed = " fed the same new batches" if name.endswith("_new_batch") else ""
         row: dict[str, Any] = {
-            "case": f"MLP step, {name} / hand-written jit(shard_map)",
+            "case": f"MLP step, {name} / hand-written jit(shard_map){fed}",
             "device": device,
             "ratio": ratio,
         }
