@@ -431,7 +431,11 @@ def _jax_worker() -> list[dict[str, Any]]:
             rows = gather(digest)
             w, _loss = agreed_packed(rows, state["w"], x, y)
             if np.asarray(rows).tobytes() != expected:
-                raise RuntimeError("the workers' digests differ")
+                raise RuntimeError(
+                    f"agreed packed step: gathered digests {np.asarray(rows).tolist()}, "
+                    "expected every worker's row to equal this one's; the workers' "
+                    "benchmark programs differ (run them from the same checkout)"
+                )
             state["w"] = w
             if not PIPELINED:
                 jax.block_until_ready(w)

@@ -1097,6 +1097,13 @@ def test_variables_a_step_leaves_alone_are_no_inputs_of_it(
     assert backend.compile_count == 2
 
 
+def accumulate(w: Any, x: Any) -> Any:
+    """``w`` plus the sum of every replica's ``x``, and this replica's total of ``x``."""
+    ctx = pd.get_replica_context()
+    assert ctx is not None
+    return w + ctx.all_reduce("SUM", x), jnp.sum(x)
+
+
 def test_one_replicas_per_replica_inputs_take_the_direct_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1104,23 +1111,17 @@ def test_one_replicas_per_replica_inputs_take_the_direct_path(
     # reaches fn as that array, a shared input; later calls replay the plan.
     strategy, backend = make(1)
     prepares = count_prepares(backend, monkeypatch)
-
-    def step(w: Any, x: Any) -> Any:
-        ctx = pd.get_replica_context()
-        assert ctx is not None
-        return w + ctx.all_reduce("SUM", x), jnp.sum(x)
-
     device = jax.devices()[0]
     x = pd.PerReplica([jax.device_put(jnp.arange(3.0), device)])
     w = jnp.zeros(3)
     for k in range(4):
-        w, total = strategy.run(step, (w, x))
+        w, total = strategy.run(accumulate, (w, x))
         np.testing.assert_allclose(np.asarray(w), np.arange(3.0) * (k + 1))
         assert float(total) == 3.0
     assert prepares == [1]
     # Another PerReplica, another component: used, on the same path.
     x = pd.PerReplica([jax.device_put(np.full(3, 2.0, np.float32), device)])
-    w, total = strategy.run(step, (w, x))
+    w, total = strategy.run(accumulate, (w, x))
     np.testing.assert_allclose(np.asarray(w), np.arange(3.0) * 4 + 2.0)
     assert float(total) == 6.0 and prepares == [1] and backend.compile_count == 1
 
@@ -1134,18 +1135,12 @@ def test_leaves_of_another_kind_than_before_take_the_direct_path_again(
     # (before, the replay made for the first kind kept every later call off it).
     strategy, backend = make(1)
     prepares = count_prepares(backend, monkeypatch)
-
-    def step(w: Any, x: Any) -> Any:
-        ctx = pd.get_replica_context()
-        assert ctx is not None
-        return w + ctx.all_reduce("SUM", x)
-
     device = jax.devices()[0]
     w, want = jnp.zeros(3), np.zeros(3)
     kinds = [False] * 3 + [True] * 4 + [False] * 3
     for k, wrapped in enumerate(kinds):
         x = jax.device_put(np.full(3, float(k + 1), np.float32), device)  # a new batch
-        w = strategy.run(step, (w, pd.PerReplica([x]) if wrapped else x))
+        w, _ = strategy.run(accumulate, (w, pd.PerReplica([x]) if wrapped else x))
         want = want + (k + 1)
         np.testing.assert_array_equal(np.asarray(w), want)
     # Core's path: the first call, the first call of each new kind; every other one

@@ -646,9 +646,6 @@ class _Dispatch:
     outputs: list[tuple[int, int, Any]]  # per output leaf: (_R_*, index, object)
     leaf: bool = False  # the result is one leaf, not a nest
     checked: bool = False  # its result was compared with core's regroup once
-    # Across processes, one device: the avals of its shared array leaves (outputs of
-    # these avals are placed as such inputs while the step runs, `_early_parts`).
-    shared: frozenset[Any] | None = None
     # One device: weak references to the last direct call's split outputs, and per
     # leaf the output found passed back in at it (parameters returned and passed in
     # again): such a leaf is that output, in place, of the aval checked when found.
@@ -1271,7 +1268,7 @@ class CompiledRunner:
                 mesh,
                 program.executable,
                 inputs,
-                functools.partial(self._early_parts, program, dispatch, mesh) if early else None,
+                functools.partial(self._early_parts, program, mesh) if early else None,
             )
             if why is not None:
                 _call.uneven = (fn, why)
@@ -1347,27 +1344,13 @@ class CompiledRunner:
         plan.parted = parted
 
     def _early_parts(
-        self, program: _Program, dispatch: _Dispatch, mesh: _Mesh, outputs: Any
+        self, program: _Program, mesh: _Mesh, outputs: Any
     ) -> tuple[Any, tuple[list[list[Any]], list[list[Any]]]]:
         """``outputs`` and their `_parts`, taken before the step completes (see
-        `ProcessGroup.execute`'s ``then``). A part that could come back next step as a
-        shared array input (parameters passed in and returned) is placed as one now
-        (`_replicated`), while the step runs, not when it comes back."""
+        `ProcessGroup.execute`'s ``then``): each is the output's one buffer
+        (`_worker_outputs`), read while the step runs."""
         split, replicated, _, _ = outputs
-        parts = _parts(program, split, replicated, mesh)
-        shared = dispatch.shared
-        if shared is None:
-            shared = dispatch.shared = frozenset(
-                a
-                for a, k in zip(dispatch.avals, dispatch.kinds, strict=True)
-                if k in (_D_ARRAY, _D_ONE)
-            )
-        if shared:
-            for (part,), array in zip(parts[0], split, strict=True):
-                # (`_worker_outputs`: the output is such an input already, `_Plan.parted`)
-                if part.ndim and _aval(part) in shared and array.shape != part.shape:
-                    self._replicated(part, mesh)
-        return outputs, parts
+        return outputs, _parts(program, split, replicated, mesh)
 
     def _dispatch(
         self,
@@ -2728,7 +2711,7 @@ def _worker_outputs(jitted: Callable[..., Any], program: _Program, mesh: _Mesh) 
     split output as its replica's block on each device (`_as_parts`), so a worker's
     part of it is the output's one buffer, no reshape dispatched for rank-0 results,
     and a part passed in again as a shared input (parameters returned and passed back)
-    takes the output array itself (`_early_parts`), not one built per step."""
+    takes the output array itself (`_Plan.parted`), not one built per step."""
     if len(mesh.devices) != 1 or not mesh.spans_processes:
         return jitted
     scalars = set(_scalars(program))
