@@ -974,6 +974,8 @@ def test_one_device_outputs_passed_back_in_are_taken_by_identity(
     # One device: the arrays a step returned, passed back in where they were passed
     # before, are known by identity (no placement checks); another array at that place
     # (an older output, or one swapped from another place) is checked as any new one.
+    # (The replay itself: without the lane, which JAX's dispatch checks.)
+    monkeypatch.setattr(_spmd, "LANE_COMPILE_SECONDS", 0.0)
     strategy, backend = make(1)
 
     def step(w: Any, b: Any, x: Any) -> Any:
@@ -1172,3 +1174,182 @@ def test_without_jaxs_dead_code_elimination_every_variable_stays_an_input(
     (plan,) = backend._compiled._plans[strategy.extended].values()
     assert plan.program.kept is None and plan.program.variable_kept is None
     assert idle.numpy().tolist() == [0.0] * 3
+
+
+# --------------------------------------------------------------------------- the lane
+# One device: a replayed call whose arguments are all arrays (or one-replica PerReplica
+# values of arrays) runs as JAX's own dispatch of fn's arguments (`_Dispatch.lane`).
+
+
+def sgd_step(params: list[Any], x: Any) -> Any:
+    ctx = pd.get_replica_context()
+    assert ctx is not None
+
+    def loss_of(p: list[Any]) -> Any:
+        return jnp.mean((x @ p[0] + p[1]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_of)(params)
+    grads = ctx.all_reduce("MEAN", grads)
+    return [p - 0.1 * g for p, g in zip(params, grads, strict=True)], loss
+
+
+def count_lane_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    results: list[Any] = []
+    call = _spmd._call_lane
+
+    def spy(*args: Any) -> Any:
+        results.append(out := call(*args))
+        return out
+
+    monkeypatch.setattr(_spmd, "_call_lane", spy)
+    return results
+
+
+def train_one_device(steps: int, batches: list[Any]) -> tuple[list[np.ndarray], list[float]]:
+    strategy, _ = make(1)
+    params = [jnp.full((3, 2), 0.5, jnp.float32), jnp.zeros(2, jnp.float32)]
+    losses = []
+    for k in range(steps):
+        params, loss = strategy.run(sgd_step, (params, batches[k % len(batches)]))
+        losses.append(float(loss))
+    return [np.asarray(p) for p in params], losses
+
+
+@pytest.mark.parametrize("batch_kind", ["array", "per_replica"])
+def test_one_device_steps_take_jax_s_dispatch_of_fns_arguments(
+    batch_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    xs = [jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3) * (k + 1) for k in range(3)]
+    batches: list[Any] = xs if batch_kind == "array" else [pd.PerReplica((x,)) for x in xs]
+    # The replay alone (no lane) gives the reference bits.
+    monkeypatch.setattr(_spmd, "LANE_COMPILE_SECONDS", 0.0)
+    want_params, want_losses = train_one_device(8, batches)
+    monkeypatch.undo()
+    lane_calls = count_lane_calls(monkeypatch)
+    strategy, backend = make(1)
+    prepares = count_prepares(backend, monkeypatch)
+    params = [jnp.full((3, 2), 0.5, jnp.float32), jnp.zeros(2, jnp.float32)]
+    losses = []
+    for k in range(8):
+        params, loss = strategy.run(sgd_step, (params, batches[k % 3]))
+        losses.append(float(loss))
+    # Call 1 prepares and compiles, call 2 is checked against core's regroup, call 3
+    # makes the lane, which takes calls 4 to 8.
+    assert prepares == [1] and backend.compile_count == 1
+    assert len(lane_calls) == 5 and all(r is not _spmd._MISSED for r in lane_calls)
+    for got, want in zip(params, want_params, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert losses == want_losses
+    assert type(params) is list and params[0].devices() == {jax.devices()[0]}
+    plan = backend._compiled._plans[strategy.extended][sgd_step]
+    assert plan.dispatch is not None and plan.dispatch.lane is not None
+    assert plan.inputs == [None] * 3  # the plan holds none of the step's arrays
+
+
+def test_arguments_the_lane_does_not_take_are_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    lane_calls = count_lane_calls(monkeypatch)
+    strategy, backend = make(1)
+    x = jnp.ones((2, 3), jnp.float32)
+    params = [jnp.full((3, 2), 0.5, jnp.float32), jnp.zeros(2, jnp.float32)]
+    for _ in range(3):
+        params, _ = strategy.run(sgd_step, (params, x))
+    plan = backend._compiled._plans[strategy.extended][sgd_step]
+    assert plan.dispatch is not None and plan.dispatch.lane is not None
+
+    def reference(p: list[Any], batch: Any) -> list[np.ndarray]:
+        fresh, _ = make(1)
+        return [np.asarray(a) for a in fresh.run(sgd_step, (list(p), batch))[0]]
+
+    # A batch committed to another device: the lane's program takes its arguments on
+    # the strategy's device (``in_shardings``), so JAX copies it there, as the replay
+    # places it.
+    other = jax.device_put(x, jax.devices()[3])
+    want = reference(params, x)
+    got, _ = strategy.run(sgd_step, (params, other))
+    assert lane_calls[-1] is not _spmd._MISSED
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), w)
+    assert got[0].devices() == {jax.devices()[0]}
+    # Parameters as a tuple (another structure): the lane declines, core's path runs it
+    # (a plan of its own for that structure).
+    want = reference(params, x)
+    got, _ = strategy.run(sgd_step, (tuple(params), x))
+    assert lane_calls[-1] is _spmd._MISSED
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), w)
+    # Back to the list, then the tuple again, and so on: each structure's plan is made
+    # again from its cached program, whose lane is made again once, then no more.
+    for _ in range(3):
+        for _ in range(4):
+            params, _ = strategy.run(sgd_step, (list(params), x))
+        strategy.run(sgd_step, (tuple(params), x))
+    plan = backend._compiled._plans[strategy.extended][sgd_step]
+    for _ in range(4):
+        params, _ = strategy.run(sgd_step, (list(params), x))
+    plan = backend._compiled._plans[strategy.extended][sgd_step]
+    assert plan.program.lanes == 2 and plan.dispatch is not None and plan.dispatch.lane is None
+    want = reference(params, x)
+    got, _ = strategy.run(sgd_step, (params, x))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), w)
+    assert backend.compile_count == 2  # the list's program, the tuple's
+
+
+def test_a_weak_typed_scalar_where_an_array_was_is_no_lane_input(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lane_calls = count_lane_calls(monkeypatch)
+    strategy, backend = make(1)
+
+    def scale(a: Any, k: Any) -> Any:
+        return a * k
+
+    a, k = jnp.ones(2, jnp.float32), jnp.float32(2.0)
+    for _ in range(4):
+        out = strategy.run(scale, (a, k))
+    assert lane_calls and lane_calls[-1] is not _spmd._MISSED
+    # A Python float is a static value of the traced program (core's rule), not an
+    # input of the lane's program: the call is traced anew, as without a lane.
+    out = strategy.run(scale, (a, 3.0))
+    assert lane_calls[-1] is _spmd._MISSED
+    assert np.asarray(out).tolist() == [3.0, 3.0] and backend.compile_count == 2
+
+
+def test_a_lane_call_inside_jax_jit_joins_its_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    lane_calls = count_lane_calls(monkeypatch)
+    strategy, _ = make(1)
+    for k in range(4):
+        assert float(strategy.run(triple, (jnp.float32(k),))) == 3.0 * k
+    assert lane_calls[-1] is not _spmd._MISSED
+
+    @jax.jit
+    def outer(a: Any) -> Any:
+        return strategy.run(triple, (a,)) + 1
+
+    assert float(outer(jnp.float32(2.0))) == 7.0
+    assert lane_calls[-1] is _spmd._MISSED  # a tracer came out: the replay's trace path
+
+
+@pytest.mark.parametrize("why", ["slow compile", "variables", "several devices"])
+def test_no_lane_where_the_plan_does_not_allow_one(
+    why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if why == "slow compile":
+        monkeypatch.setattr(_spmd, "LANE_COMPILE_SECONDS", 0.0)
+    strategy, backend = make(N if why == "several devices" else 1)
+    v: Any = None
+    if why == "variables":  # (a strategy's every variable is an input of its programs)
+        with strategy.scope():
+            v = pd.Variable(np.ones(2, np.float32))
+
+    def step(a: Any) -> Any:
+        return a * v.value() if why == "variables" else a * 2.0
+
+    for _ in range(5):
+        out = strategy.run(step, (jnp.ones(2, jnp.float32),))
+    assert [np.asarray(c).tolist() for c in strategy.experimental_local_results(out)] == [
+        [1.0, 1.0] if why == "variables" else [2.0, 2.0]
+    ] * (N if why == "several devices" else 1)
+    plan = backend._compiled._plans[strategy.extended][step]
+    assert plan.dispatch is not None and plan.dispatch.lane is None
+    assert plan.dispatch.lane_off is (why != "several devices")  # (never asked for several)

@@ -266,3 +266,29 @@ def test_a_runner_not_asked_for_lazy_ids_places_them_before_the_run(replicas: in
         assert backend.id_placements == replicas
         ids = strategy.run(lambda: _ctx().replica_id_in_sync_group)
         assert [int(v) for v in strategy.experimental_local_results(ids)] == list(range(replicas))
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_local_results_of_a_nest_are_each_replicas_nest(replicas: int) -> None:
+    strategy = pd.MirroredStrategy(replicas, backend=SimBackend())
+    out = strategy.run(lambda: ([_ctx().replica_id_in_sync_group, np.float32(5.0)], {"k": None}))
+    local = strategy.experimental_local_results(out)
+    assert len(local) == replicas
+    for r, (pair, extra) in enumerate(local):
+        assert int(pair[0]) == r and float(pair[1]) == 5.0 and extra == {"k": None}
+    plain = [np.float32(1.0), (np.float32(2.0),)]
+    nests = strategy.experimental_local_results(plain)
+    assert len(nests) == replicas
+    if replicas == 1:
+        assert nests[0] is plain  # nothing distributed: the nest itself, not rebuilt
+    else:  # each replica its own nest, equal to the value
+        assert all(n is not plain and n == plain for n in nests)
+        assert nests[0] is not nests[1]
+    leaf = np.float32(3.0)
+    assert strategy.experimental_local_results(leaf) == (leaf,)  # one value, not per replica
+    assert strategy.experimental_local_results(None) == (None,)
+    # A distributed value inside the nest is each replica's component.
+    value = pd.PerReplica(tuple(np.float32(10 + r) for r in range(replicas)))
+    picked = strategy.experimental_local_results({"v": [value, leaf]})
+    assert [float(p["v"][0]) for p in picked] == [10.0 + r for r in range(replicas)]
+    assert all(p["v"][1] is leaf for p in picked)

@@ -35,6 +35,7 @@ import itertools
 import operator
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -106,6 +107,14 @@ CHECK_EVERY = 128
 #: and the copy it would save is at most this much. On other platforms, and from
 #: this size on, the written variables are donated.
 DONATE_CPU_MIN_BYTES = 16 * 2**20
+
+#: One device, one process: a replayed call whose arguments are all arrays runs through
+#: a jitted function of fn's own arguments (`_Dispatch.lane`), so that JAX's C++
+#: dispatch flattens and checks them. That program is compiled again for it, so only
+#: for programs whose first compile took less than this: a step that compiles longer
+#: runs long enough for the host's per-call work not to matter.
+LANE_COMPILE_SECONDS = 2.0
+_LANE_BUILDS = 2  # per program: a lane dropped (arguments it does not take) is made again once
 
 _REPLICA, _SHARED, _STATIC, _VARIABLE = "replica", "shared", "static", "variable"
 # A zero-size array input: made inside the program (it holds no data). As a program
@@ -558,6 +567,15 @@ class _Program:
     # writes is no input of it (`_unread_variables`); per variable, whether it is one.
     kept: list[int] | None = None
     variable_kept: list[bool] | None = None
+    # Across processes, a worker with one replica (`_worker_outputs`): per split output,
+    # the aval of the worker's part (read once: a fresh output's attributes cost more
+    # than the rest of the lookup of one passed back in, `_Plan.parted`).
+    part_avals: list[Any] | None = None
+    # One device: the function ``local`` compiles (the traced jaxpr's), how long its
+    # first call took (trace and compile), and how many lanes were made of it.
+    local_fun: Any = None
+    compile_seconds: float | None = None
+    lanes: int = 0
 
 
 class _Strong:
@@ -612,7 +630,7 @@ class _Plan:
     # Across processes, a worker with one replica: the last call's split outputs, each
     # held whole on the device (`_worker_outputs`), by id of the worker's part; that
     # part passed back in as a shared input (parameters returned) is that array again.
-    parted: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    parted: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)  # (output, part, aval)
 
 
 # How `CompiledRunner.run_direct` hands over each of core's leaves of ``(args, kwargs)``:
@@ -654,6 +672,15 @@ class _Dispatch:
     # One device, every result leaf a program output: each one's index among the
     # program's flat outputs (the result is those outputs, unflattened).
     picks: list[int] | None = None
+    # One device, every leaf an array: ``jax.jit`` of a function of fn's arguments that
+    # runs the program (`_make_lane`); ``lane_off`` once it declined a call.
+    lane: Any = None
+    lane_off: bool = False
+
+
+class _LaneMiss(Exception):
+    """Arguments a lane does not take (another structure, kind, shape, dtype or weak
+    type than the plan's): the call takes the replay path instead."""
 
 
 _NOT_BACK = -1  # `_Dispatch.passed_back`: the leaf's first new array was no output
@@ -1177,6 +1204,10 @@ class CompiledRunner:
         if plan.closure and not _closure_unchanged(plan):
             return NOT_HANDLED
         dispatch = plan.dispatch
+        if dispatch is not None and dispatch.lane is not None and not kwargs:
+            result = _call_lane(plan, dispatch, replicas.devices, args)
+            if result is not _MISSED:
+                return result
         flat: Sequence[Any]
         if dispatch is not None and not kwargs and _leaf_types(args, dispatch.types):
             flat = args  # each argument a leaf, of the types it had: core's flat leaves
@@ -1311,6 +1342,8 @@ class CompiledRunner:
             picks = dispatch.picks
             if picks is not None:
                 leaves = [flat_out[j] for j in picks]
+                if dispatch.lane is None and not dispatch.lane_off and not kwargs:
+                    _make_lane(plan, dispatch)
                 return leaves[0] if dispatch.leaf else _nest.unflatten(program.out_spec, leaves)
             split_parts = [[g] for g in split]
             replicated_parts = [[g] for g in replicated]
@@ -1330,16 +1363,21 @@ class CompiledRunner:
         """Keeps this call's split outputs (several parts, not rank 0) for the next
         call (`_Plan.recent`); held until then, as the caller usually holds them."""
         recent: dict[int, tuple[Any, list[Any]]] = {}
-        parted: dict[int, tuple[Any, Any]] = {}
+        parted: dict[int, tuple[Any, Any, Any]] = {}
         scalars = program.scalars or ()
-        for i, parts in enumerate(split_parts):
-            if i in scalars:
-                continue
-            if len(parts) > 1:
-                recent[id(parts[0])] = (split[i], parts)
-            elif parts[0] is not split[i] and split[i].shape == parts[0].shape:
-                # (`_worker_outputs`)
-                parted[id(parts[0])] = (split[i], parts[0])
+        if plan.mesh.spans_processes and len(plan.mesh.devices) == 1:
+            # A worker's one part of each output, the output's own buffer
+            # (`_worker_outputs`): the same aval, the same every call.
+            avals = program.part_avals
+            if avals is None:
+                avals = program.part_avals = [_aval(g) for g in split]
+            for i, parts in enumerate(split_parts):
+                if i not in scalars:
+                    parted[id(parts[0])] = (split[i], parts[0], avals[i])
+        else:
+            for i, parts in enumerate(split_parts):
+                if i not in scalars and len(parts) > 1:
+                    recent[id(parts[0])] = (split[i], parts)
         plan.recent = recent
         plan.parted = parted
 
@@ -1436,6 +1474,7 @@ class CompiledRunner:
         over (``plan`` is then still consistent)."""
         refs = plan.refs
         slots = plan.slots
+        parted = plan.parted
         n = len(mesh.devices)
         whole: list[int] = []
         last = dispatch.last or []
@@ -1461,12 +1500,14 @@ class CompiledRunner:
                     assert slot is not None, "an array leaf is a program input"
                     plan.inputs[slot] = x
                     continue
-                if not isinstance(x, jax.Array) or is_tracer(x) or _aval(x) != dispatch.avals[i]:
-                    return None
-                output = plan.parted.get(id(x))
-                if output is not None and output[1] is x:
+                output = parted.get(id(x)) if parted else None
+                if output is not None and output[1] is x and output[2] == dispatch.avals[i]:
                     placed = output[0]  # an output of the last call, passed back in
                 else:
+                    if not isinstance(x, jax.Array) or is_tracer(x):
+                        return None
+                    if _aval(x) != dispatch.avals[i]:
+                        return None
                     placed = self._replicated(x, mesh)
                 ref = _ref(x)
                 refs[i] = [ref] * n
@@ -1498,13 +1539,13 @@ class CompiledRunner:
                 if all(r() is v for r, v in zip(refs[i], values, strict=True)):
                     dispatch.held[i] = values  # the components the plan's input holds
                     continue
-                output = plan.recent.get(id(values[0]))
+                recent = plan.recent.get(id(values[0]))
                 if (
-                    output is not None
-                    and all(map(operator.is_, output[1], values))
+                    recent is not None
+                    and all(map(operator.is_, recent[1], values))
                     and _aval(values[0]) == dispatch.avals[i]
                 ):
-                    placed = output[0]  # an output of the last call, passed back in
+                    placed = recent[0]  # an output of the last call, passed back in
                 else:
                     placed = _direct_replica(values, dispatch.avals[i], mesh)
                 if placed is None:
@@ -1568,6 +1609,7 @@ class CompiledRunner:
                 # not donated: XLA copied a 400 MB variable each step).
                 a, b, c, d = program.counts
                 mesh_split = program.single_split
+                program.local_fun = run
                 program.local = jax.jit(
                     run,
                     donate_argnums=donate,
@@ -1579,7 +1621,10 @@ class CompiledRunner:
             if not self._variable_inputs.exclusive(_call.variables[i - offset]):
                 inputs[i] = _copy(inputs[i])
         take = program.kept
+        start = time.perf_counter() if program.compile_seconds is None else 0.0
         flat = program.local(*(inputs if take is None else [inputs[k] for k in take]))
+        if program.compile_seconds is None:
+            program.compile_seconds = time.perf_counter() - start  # (the first: traced, compiled)
         a, b, c, _ = program.counts
         return flat[:a], flat[a : a + b], flat[a + b : a + b + c], flat[a + b + c :]
 
@@ -2448,6 +2493,13 @@ def _parts(
     program: _Program, split: list[Any], replicated: list[Any], mesh: _Mesh
 ) -> tuple[list[list[Any]], list[list[Any]]]:
     """Each replica's part of the program's split and replicated outputs."""
+    if mesh.spans_processes and len(mesh.devices) == 1:
+        # A worker's one device: each output's one buffer (`_worker_outputs`), read as
+        # `_Mesh.parts` would, without its checks (the outputs are this call's).
+        try:
+            return [[g._arrays[0]] for g in split], [[g._arrays[0]] for g in replicated]
+        except (AttributeError, TypeError, IndexError):
+            pass  # JAX without ``_arrays`` as a list: `_Mesh.parts`
     split_parts = [_shards(g, mesh) for g in split]
     replicated_parts = [_shards(g, mesh) for g in replicated]
     # Rank-0 results as ``[1]`` blocks (`program.jitted`'s; `program.local`'s are rank 0
@@ -2555,6 +2607,89 @@ def _flat_args(args: tuple[Any, ...], template: tuple[Any, ...]) -> list[Any] | 
         else:
             return None
     return flat
+
+
+_MISSED = object()  # `_call_lane`: the lane declined the call
+
+
+def _make_lane(plan: _Plan, dispatch: _Dispatch) -> None:
+    """Gives ``dispatch`` its lane, where the plan allows one: one device, one process,
+    no variables, every leaf of ``(args, {})`` an array or a one-replica ``PerReplica``
+    of one, a result made of program outputs only, and a program that compiled fast
+    (`LANE_COMPILE_SECONDS`).
+
+    The lane is ``jax.jit`` of a function of fn's arguments: traced, it takes core's
+    leaves of them as the replay does (the same structure, kinds, shapes, dtypes and
+    weak types, else `_LaneMiss`) and runs the program's jaxpr on them, placed on the
+    device (``in_shardings``). Each call then is JAX's C++ dispatch of fn's arguments,
+    with no per-leaf work in Python."""
+    program = plan.program
+    run, seconds = program.local_fun, program.compile_seconds
+    if (
+        run is None
+        or seconds is None
+        or seconds >= LANE_COMPILE_SECONDS
+        or program.lanes >= _LANE_BUILDS
+        or plan.variables
+        or program.kept is not None
+        or not dispatch.picks
+        or (dispatch.types is None and dispatch.template is None)  # (kwargs, deeper nests)
+        or any(kind not in (_D_ARRAY, _D_ONE) for kind in dispatch.kinds)
+        or sorted(slot for slot in plan.slots if slot is not None) != list(range(len(plan.inputs)))
+    ):
+        dispatch.lane_off = True
+        return
+    spec, kinds, avals = dispatch.spec, list(dispatch.kinds), list(dispatch.avals)
+    slots = [slot for slot in plan.slots if slot is not None]
+    picks, n_inputs = list(dispatch.picks), len(plan.inputs)
+
+    def lane(*args: Any) -> list[Any]:
+        leaves, got = _nest.flatten((args, {}))
+        if got != spec:
+            raise _LaneMiss("another structure")
+        inputs: list[Any] = [None] * n_inputs
+        for i, x in enumerate(leaves):
+            if kinds[i] == _D_ONE:
+                if not isinstance(x, DistributedValues) or len(x._values) != 1:
+                    raise _LaneMiss("not a one-replica distributed value")
+                x = x._values[0]
+            if not is_tracer(x) or _aval(x) != avals[i]:
+                raise _LaneMiss("another kind, shape, dtype or weak type")
+            inputs[slots[i]] = x
+        outputs = run(*inputs)
+        return [outputs[j] for j in picks]
+
+    program.lanes += 1
+    dispatch.lane = jax.jit(lane, in_shardings=program.single, out_shardings=program.single)
+    # The lane's calls leave the plan's inputs alone: it holds none of the arrays (a
+    # replay later finds its leaves again, `_direct_inputs`; `run`, `_reuse`).
+    for i, slot in enumerate(plan.slots):
+        if slot is not None:
+            plan.inputs[slot] = None
+            plan.refs[i] = [_UNKNOWN] * len(plan.refs[i])
+            dispatch.held[i] = None
+    dispatch.last = None
+    dispatch.passed_back = None
+
+
+def _call_lane(
+    plan: _Plan, dispatch: _Dispatch, devices: tuple[str, ...], args: tuple[Any, ...]
+) -> Any:
+    """A call through ``dispatch.lane`` (see `_make_lane`): fn's result, or `_MISSED`
+    (the lane is then dropped and the call replayed as before)."""
+    if devices is not dispatch.devices and devices != dispatch.devices:
+        return _MISSED
+    try:
+        leaves = dispatch.lane(*args)
+    except Exception:  # arguments it does not take (a structure, an array on another device)
+        dispatch.lane, dispatch.lane_off = None, True
+        return _MISSED
+    if is_tracer(leaves[0]):  # inside an outer transformation: the replay's own path
+        dispatch.lane, dispatch.lane_off = None, True
+        return _MISSED
+    program = plan.program
+    program.calls += 1
+    return leaves[0] if dispatch.leaf else _nest.unflatten(program.out_spec, leaves)
 
 
 def _direct_replica(values: tuple[Any, ...], aval: Any, mesh: _Mesh) -> Any:

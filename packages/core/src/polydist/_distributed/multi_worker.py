@@ -42,8 +42,7 @@ from polydist._distributed.cluster import (
 from polydist._strategies.mirrored import MirroredExtended
 from polydist._strategies.replica_context import ReplicaContext
 from polydist._strategies.strategy import Strategy
-from polydist._valuetypes import nest as _nest
-from polydist._valuetypes.values import DistributedValues, Mirrored, select_replica
+from polydist._valuetypes.values import DistributedValues, Mirrored, select_replicas
 from polydist.backend._contract import (
     Backend,
     SupportsWorkerProcesses,
@@ -254,9 +253,8 @@ class MultiWorkerExtended(MirroredExtended):
             if len(value.values) == len(self._devices):
                 return value.values[local.start : local.stop]
             return value.values
-        if _nest.is_nested(value):
-            return tuple(select_replica(r, value) for r in local)
-        return (value,)
+        selected = select_replicas(local, value)
+        return (value,) if selected is None else selected
 
     # -- reductions: the group this worker reduces over -------------------------------------
     def _check_reduce_components(self, value: DistributedValues) -> None:

@@ -39,7 +39,7 @@ from polydist._valuetypes.values import (
     ValueContext,
     check_num_components,
     regroup,
-    select_replica,
+    select_replicas,
 )
 from polydist.backend._contract import NOT_HANDLED, Backend, ReplicaGroup, get_backend
 from polydist.errors import InvalidArgumentError
@@ -387,9 +387,8 @@ class StrategyExtended(ExtendedVariablesMixin):
     def _local_results(self, value: Any) -> tuple[Any, ...]:
         if isinstance(value, DistributedValues):
             return value.values
-        if _nest.is_nested(value):
-            return tuple(select_replica(r, value) for r in range(len(self._devices)))
-        return (value,)
+        selected = select_replicas(range(len(self._devices)), value)
+        return (value,) if selected is None else selected
 
     def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
         if not isinstance(value, DistributedValues):

@@ -269,6 +269,13 @@ def is_plain_leaf(x: Any) -> bool:
     return plain
 
 
+def has_only_plain_leaves(tree: Any) -> bool:
+    """Whether every leaf of ``tree`` is a `is_plain_leaf` (so nothing in it is
+    distributed): optree's flatten with no callback per node, then a type lookup per
+    leaf. False also while a leaf's type was not classified yet (ask `flatten`)."""
+    return all(map(is_plain_leaf, optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)))
+
+
 def _leaf_predicate(is_leaf: Callable[[Any], bool] | None) -> Callable[[Any], bool]:
     if is_leaf is None:
         return _is_leaf

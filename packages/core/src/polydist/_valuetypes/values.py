@@ -18,6 +18,7 @@ __all__ = [
     "check_num_components",
     "regroup",
     "select_replica",
+    "select_replicas",
     "value_container",
 ]
 
@@ -197,6 +198,30 @@ def select_replica(replica_id: int, structured: Any) -> Any:
         return x
 
     return _nest.map_structure(pick, structured)
+
+
+def select_replicas(replica_ids: range, structured: Any) -> tuple[Any, ...] | None:
+    """`select_replica` of a nest for each of ``replica_ids``, with one flatten for all of
+    them; None when ``structured`` is no nest (a leaf). A nest with nothing distributed in
+    it is itself for one replica (a step's result read each step: no rebuild), and rebuilt
+    per replica for several (each replica its own nest)."""
+    if len(replica_ids) == 1 and _nest.has_only_plain_leaves(structured):
+        return None if _nest.is_plain_leaf(structured) else (structured,)
+    flat, spec = _nest.flatten(structured)
+    if spec.is_leaf():
+        return None
+    picked = [
+        i for i, x in enumerate(flat) if isinstance(x, DistributedValues) and not x._select_whole
+    ]
+    if not picked and len(replica_ids) == 1:
+        return (structured,)
+    out = []
+    for r in replica_ids:
+        leaves = list(flat)
+        for i in picked:
+            leaves[i] = flat[i].values[r]
+        out.append(_nest.unflatten(spec, leaves))
+    return tuple(out)
 
 
 def regroup(
