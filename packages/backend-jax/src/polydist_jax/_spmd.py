@@ -1205,6 +1205,8 @@ class CompiledRunner:
             return NOT_HANDLED
         dispatch = plan.dispatch
         if dispatch is not None and dispatch.lane is not None and not kwargs:
+            if self._divergence._queue:  # other programs' checks (`poll`), as below
+                self._divergence.poll()
             result = _call_lane(plan, dispatch, replicas.devices, args)
             if result is not _MISSED:
                 return result
