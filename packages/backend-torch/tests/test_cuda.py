@@ -165,3 +165,19 @@ def test_nccl_gather_broadcast_and_reduce_to_host() -> None:
     assert s.gather(x, 0).device == torch.device("cpu")
     total = s.reduce("SUM", s.run(lambda: torch.ones(3)), axis=None)
     assert total.device == torch.device("cpu") and total.tolist() == [2.0, 2.0, 2.0]
+
+
+@needs_cuda
+def test_a_variables_initial_value_leaves_no_pinned_buffer_behind() -> None:
+    # A batch placed on the GPU goes through a page-locked buffer torch keeps for the
+    # next one; a variable's initial value is copied from pageable memory instead, so
+    # no host memory of the state's size stays held (TorchBackend.place_variable).
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    strategy = pd.MirroredStrategy(1, backend=TorchBackend())
+    with strategy.scope():
+        v = pd.Variable(np.arange(1 << 20, dtype=np.float32))
+    torch.cuda.synchronize()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    assert v.values[0].value().device.type == "cuda"
+    assert float(v.values[0].value()[-1]) == float((1 << 20) - 1)

@@ -724,3 +724,35 @@ def test_multi_worker_example_runs_on_the_sim(tmp_path: Path) -> None:
     assert "worker 0: w = [0.9929, -1.9339, 0.4747, 2.9233]" in proc.stdout
     assert "largest difference from the sim: 0.00e+00" in proc.stdout
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-13", "ckpt-14", "ckpt-15"]
+
+
+class _PlacingOnce(SimBackend):
+    """The sim with `polydist.backend.SupportsPlaceVariable`, recording its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.variable_placements: list[str] = []
+
+    def place_variable(self, value: Any, device: str) -> Any:
+        self.variable_placements.append(device)
+        return self.place(value, device)
+
+
+@pytest.mark.parametrize("kind", ["mirrored", "one_device"])
+def test_a_backend_places_variable_values_its_own_way(kind: str) -> None:
+    backend = _PlacingOnce()
+    strategy = (
+        pd.MirroredStrategy(2, backend=backend)
+        if kind == "mirrored"
+        else pd.OneDeviceStrategy("/cpu:0", backend=backend)
+    )
+    devices = list(strategy.extended.worker_devices)
+    with strategy.scope():
+        v = pd.Variable(np.arange(3, dtype=np.float32))
+    assert backend.variable_placements == devices
+    v.assign(np.full(3, 5, np.float32))
+    assert backend.variable_placements == devices * 2
+    strategy.run(lambda: np.float32(1.0))  # a step places no variable value
+    assert backend.variable_placements == devices * 2
+    copies = v.values if kind == "mirrored" else (v,)
+    assert [np.asarray(c.value()).tolist() for c in copies] == [[5.0, 5.0, 5.0]] * len(devices)

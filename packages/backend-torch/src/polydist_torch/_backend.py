@@ -195,6 +195,20 @@ class TorchBackend:
         # it in place); it also takes read-only and negative-stride arrays.
         return _low_precision.from_host(value, "torch backend", _host_copy)
 
+    def place_variable(self, value: Any, device: str) -> Any:
+        """A variable's value on ``device`` (core's ``SupportsPlaceVariable``): as
+        ``place``, except that a host array for a GPU is copied from pageable memory
+        (`_to_cuda_once`), not staged in a page-locked buffer: torch's pinned allocator
+        keeps such buffers for reuse, which suits a batch each step, while a variable's
+        initial value would leave host memory of its size (rounded up to a power of 2)
+        held for good (measured: 515 MB more RSS for a 400 MB variable on one H200)."""
+        target = torch_device(device)
+        if target.type == "cuda" and not isinstance(value, torch.Tensor):
+            return _low_precision.from_host(
+                value, "torch backend", lambda a: _to_cuda_once(a, target)
+            )
+        return self.place(value, device)
+
     def to_numpy(self, value: Any) -> np.ndarray:
         if not isinstance(value, torch.Tensor):
             return np.asarray(value)
@@ -358,6 +372,14 @@ def _to_cuda(array: np.ndarray, target: torch.device) -> torch.Tensor:
     if array.size:
         host.numpy()[...] = array
     return host.to(target, non_blocking=True)
+
+
+def _to_cuda_once(array: np.ndarray, target: torch.device) -> torch.Tensor:
+    """A NumPy array on a CUDA device, copied from pageable host memory (as
+    ``torch.tensor(array, device=...)``): the copy completes before the host goes on,
+    and no page-locked buffer is left behind (see `TorchBackend.place_variable`)."""
+    host = np.require(array, requirements=("C_CONTIGUOUS", "WRITEABLE"))
+    return torch.from_numpy(host).to(target)
 
 
 def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:

@@ -52,6 +52,7 @@ from polydist._valuetypes.variable_basics import (
     _foreign_value,
     _freeze,
     _kind,
+    _place_variable,
     _places_copies,
     _refuse_traced,
     _resolve_dtype,
@@ -705,7 +706,7 @@ class Variable(metaclass=_VariableMeta):
         return self
 
     def _place(self, array: Any) -> Any:
-        placed = self._backend.place(array, self._device)
+        placed = _place_variable(self._backend, array, self._device)
         if isinstance(placed, np.generic):
             placed = np.asarray(placed)
         return placed

@@ -25,6 +25,7 @@ from polydist._base.arrays import (
 from polydist._valuetypes.indexed_slices import IndexedSlices
 from polydist.backend._contract import (
     Backend,
+    SupportsPlaceVariable,
     SupportsStoreVariable,
     backends_owning,
     features,
@@ -269,6 +270,14 @@ def _places_copies(backend: Backend) -> bool:
     """Whether ``backend.place`` always makes a new array of a NumPy array
     (`SupportsHostArrayCopies`; see the variables module's docstring)."""
     return features(backend).places_copies_of_host_arrays
+
+
+def _place_variable(backend: Backend, value: Any, device: str) -> Any:
+    """``value`` placed on ``device`` as a variable's own array: the backend's
+    `SupportsPlaceVariable` where it has one (a one-off placement), else ``place``."""
+    if features(backend).place_variable:
+        return cast(SupportsPlaceVariable, backend).place_variable(value, device)
+    return backend.place(value, device)
 
 
 def _stored(backend: Backend, stored: Any, new: Any) -> Any:

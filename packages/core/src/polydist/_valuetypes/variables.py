@@ -129,6 +129,7 @@ from polydist._valuetypes.variable_basics import (
     _TRACED_UPDATE_RESULTS,
     _UPDATE_REPLICA,
     _is_float,
+    _place_variable,
     _places_copies,
     _refuse_traced,
     _sparse_delta,
@@ -612,7 +613,7 @@ def create_variable(
         device = colocate.device if colocate is not None else extended._devices[0]
         array = _initial_array(initial_value, dtype, backend, name)
         var = Variable._from_array(
-            backend.place(array, device),
+            _place_variable(backend, array, device),
             backend=backend,
             device=device,
             name=f"{name or 'Variable'}:0",
@@ -645,7 +646,7 @@ def create_variable(
             source = host  # place() copies it
         else:
             source = _copy(host, xp)
-        placed = backend.place(source, device)
+        placed = _place_variable(backend, source, device)
         if i and placed.dtype != components[0].dtype:
             # to_numpy may widen dtypes NumPy lacks (torch's bfloat16 -> float32 where
             # ml_dtypes is not installed).

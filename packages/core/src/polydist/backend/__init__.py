@@ -56,6 +56,7 @@ from polydist.backend._contract import SupportsDirectRun as SupportsDirectRun
 from polydist.backend._contract import SupportsHostArrayCopies as SupportsHostArrayCopies
 from polydist.backend._contract import SupportsLocalTPUSystem as SupportsLocalTPUSystem
 from polydist.backend._contract import SupportsPlacePerReplica as SupportsPlacePerReplica
+from polydist.backend._contract import SupportsPlaceVariable as SupportsPlaceVariable
 from polydist.backend._contract import SupportsReductionOrder as SupportsReductionOrder
 from polydist.backend._contract import SupportsReplicaRunner as SupportsReplicaRunner
 from polydist.backend._contract import SupportsSimulatedDevices as SupportsSimulatedDevices
@@ -96,6 +97,7 @@ __all__ = [
     "SupportsReductionOrder",
     "SupportsSimulatedDevices",
     "SupportsHostArrayCopies",
+    "SupportsPlaceVariable",
     "SupportsStoreVariable",
     "SupportsUpdateInPlace",
     "SupportsSymbolicValues",

@@ -371,6 +371,18 @@ class SupportsHostArrayCopies(Protocol):
 
 
 @runtime_checkable
+class SupportsPlaceVariable(Protocol):
+    """Places a variable's value (its initial value, a host value assigned to it) on
+    ``device``: a one-off placement, where ``place`` may stage each step's inputs for an
+    asynchronous copy (torch stages host arrays for a GPU in page-locked buffers that
+    its allocator keeps for the next batch of their size: kept for a variable's initial
+    value, such a buffer would hold host memory the size of the state for good).
+    Without it core calls ``place``."""
+
+    def place_variable(self, value: Any, device: str) -> Any: ...
+
+
+@runtime_checkable
 class SupportsReductionOrder(Protocol):
     """A backend that sums in a configurable order (the sim): ``MirroredStrategy``'s
     ``cross_device_ops`` picks the order (``with_reduction_order``)."""
@@ -411,6 +423,7 @@ class Features:
     simulated_devices: bool = False
     update_in_place: bool = False
     places_copies_of_host_arrays: bool = False
+    place_variable: bool = False
     compiled_run: bool = False
     direct_run: bool = False
     replica_runner: bool = False
@@ -432,6 +445,7 @@ class Features:
             update_in_place=isinstance(backend, SupportsUpdateInPlace),
             places_copies_of_host_arrays=isinstance(backend, SupportsHostArrayCopies)
             and bool(backend.place_copies_host_arrays),
+            place_variable=isinstance(backend, SupportsPlaceVariable),
             compiled_run=isinstance(backend, SupportsCompiledRun),
             direct_run=isinstance(backend, SupportsDirectRun),
             replica_runner=isinstance(backend, SupportsReplicaRunner),
