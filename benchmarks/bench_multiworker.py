@@ -39,7 +39,9 @@ baselines. The variants alternate after warm-up; each sample is a burst of
 back-to-back calls after a barrier (bandwidth, as nccl-tests measures it),
 divided by its length; the time is worker 0's median sample.
 ``ratio = raw time / strategy time`` (the strategy's share of the raw
-bandwidth; target >= 0.9).
+bandwidth; informational). The target (issue 20, which made the training step of
+``bench_multiworker_step.py`` what users run the target): one tensor's
+all_reduce keeps >= 0.9 of its semantic floor, from 4 MiB.
 
     python benchmarks/bench_multiworker.py                  # engines importable here
     python benchmarks/bench_multiworker.py --engine torch   # one engine
@@ -439,17 +441,14 @@ def _case(row: dict[str, Any], what: str) -> str:
 
 
 def _ratios(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The row's ratios for the results file: the target applies to one tensor against
-    the engine's collectives; its floor's (informational) say how much of the gap the
-    promised semantics leave, and how much is polydist's own work."""
+    """The row's ratios for the results file. Issue 20 decided the target: one tensor's
+    all_reduce keeps >= 0.9 of its semantic floor from 4 MiB (the training step of
+    ``bench_multiworker_step.py`` carries the rest); the ratios against the engine's
+    own collectives, and the floor's against them, are informational: how much of the
+    gap the promised semantics leave, and how much is polydist's own work."""
     one = row["arrays"] == 1
     out = [
-        {
-            "case": _case(row, what),
-            "ratio": row[key],
-            "target": f">= {TARGET}" if one else "",
-            "met": row[key] >= TARGET if one else None,
-        }
+        {"case": _case(row, what), "ratio": row[key], "target": "", "met": None}
         for key, what in _baselines(row)
     ]
     floor, what = _FLOORS[row["engine"], row["checked"]]
@@ -459,16 +458,21 @@ def _ratios(row: dict[str, Any]) -> list[dict[str, Any]]:
         case = _case(row, f"its floor, by hand ({what})")
         ratio = row[f"ratio_vs_{floor}"]
         goal = {"target": f">= {TARGET}", "met": ratio >= TARGET} if floored else {}
-        if f"ratio_vs_{floor}" not in dict(_baselines(row)):  # else a baseline row has it
+        keys = [key for key, _ in _baselines(row)]
+        if f"ratio_vs_{floor}" in keys:  # a baseline row is the floor's: the target's row
+            out[keys.index(f"ratio_vs_{floor}")].update(goal)
+        else:
             out.append({"case": case, "ratio": ratio, "target": "", "met": None, **goal})
-        out.append(
-            {
-                "case": f"{row['engine']} {_size(row)}: the floor ({what}) vs the raw collective",
-                "ratio": row[f"{floor}_vs_raw"],
-                "target": "",
-                "met": None,
-            }
-        )
+        if f"{floor}_vs_raw" in row:  # (not in results files from before it was measured)
+            out.append(
+                {
+                    "case": f"{row['engine']} {_size(row)}: the floor ({what}) vs the raw "
+                    "collective",
+                    "ratio": row[f"{floor}_vs_raw"],
+                    "target": "",
+                    "met": None,
+                }
+            )
     return [{**ratio, "device": "CPU"} for ratio in out]
 
 
@@ -536,8 +540,8 @@ def main() -> int:
         "'the floor vs the raw collective' (raw time / floor time) bounds the ratio any "
         "implementation of these semantics can reach; 'vs its floor' is the share left to "
         "polydist's own work.",
-        "target": f"ratio >= {TARGET} for 1-64 MiB; >= {TARGET} of the semantic floor "
-        f"from {FLOOR_TARGET_FROM_MIB} MiB",
+        "target": f">= {TARGET} of the semantic floor from {FLOOR_TARGET_FROM_MIB} MiB "
+        "(issue 20; the ratios against the engine's own collectives are informational)",
         "ratios": [ratio for r in rows for ratio in _ratios(r)],
         "rows": rows,
     }
