@@ -165,6 +165,12 @@ def defer_storage(variable: Variable, source: StorageSource) -> None:
     until a write replaces it. A compiled backend's new copies, when one program
     output holds them all: none is split out per replica unless read."""
     components = _components(variable)
+    if len(components) == 1 and components[0]._replica_index == 0:
+        # One replica (a one-device step defers every variable it writes, each step).
+        state = components[0].__dict__
+        state.pop("_array", None)
+        state["_pending"] = source
+        return
     indices = [c._replica_index for c in components]
     if indices != list(range(len(components))):
         r = next(r for r, i in enumerate(indices) if i != r)
@@ -188,7 +194,11 @@ def deferred_storage(variable: Variable, source: StorageSource) -> list[Any] | N
     not (nothing outside the source holds it yet)."""
     # map over the components' dicts: a compiled step asks this of every variable it
     # takes, each step (no interpreted loop per component).
-    states = [c.__dict__ for c in _components(variable)]
+    components = _components(variable)
+    if len(components) == 1:
+        state = components[0].__dict__
+        return [state.get("_array")] if state.get("_pending") is source else None
+    states = [c.__dict__ for c in components]
     if not all(map(operator.is_, map(_PENDING, states), repeat(source))):
         return None
     return list(map(_ARRAY, states))
