@@ -1235,7 +1235,7 @@ def test_one_device_steps_take_jax_s_dispatch_of_fns_arguments(
         losses.append(float(loss))
     # Call 1 prepares and compiles, call 2 is checked against core's regroup, call 3
     # makes the lane, which takes calls 4 to 8.
-    assert prepares == [1] and backend.compile_count == 1
+    assert prepares == [1] and backend.compile_count == 1 and backend.lane_count == 1
     assert len(lane_calls) == 5 and all(r is not _spmd._MISSED for r in lane_calls)
     for got, want in zip(params, want_params, strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
@@ -1293,6 +1293,7 @@ def test_arguments_the_lane_does_not_take_are_replayed(monkeypatch: pytest.Monke
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), w)
     assert backend.compile_count == 2  # the list's program, the tuple's
+    assert backend.lane_count == 2  # the list's, made twice
 
 
 def test_a_weak_typed_scalar_where_an_array_was_is_no_lane_input(
@@ -1353,3 +1354,4 @@ def test_no_lane_where_the_plan_does_not_allow_one(
     plan = backend._compiled._plans[strategy.extended][step]
     assert plan.dispatch is not None and plan.dispatch.lane is None
     assert plan.dispatch.lane_off is (why != "several devices")  # (never asked for several)
+    assert backend.lane_count == 0

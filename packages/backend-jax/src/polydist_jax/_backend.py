@@ -113,6 +113,12 @@ class JaxBackend:
         """How many times a replica function was traced for compilation (all strategies)."""
         return self._compiled.compile_count
 
+    @property
+    def lane_count(self) -> int:
+        """How many one-device lanes were made (all strategies): each compiles its
+        program once more (docs/backends/jax.md, "The lane")."""
+        return self._compiled.lane_count
+
     def cache_size(self, strategy: Any = None) -> int:
         """Compiled programs cached, for one strategy (or its ``extended``) or in total."""
         extended = getattr(strategy, "extended", strategy)

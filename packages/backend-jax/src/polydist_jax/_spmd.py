@@ -1049,6 +1049,7 @@ class CompiledRunner:
         self._mesh_of = mesh_of or _Mesh.build
         self._group = group
         self.compile_count = 0
+        self.lane_count = 0  # lanes made (`_make_lane`): each compiles a program again
         self._lock = threading.Lock()
         self._meshes: dict[tuple[str, ...], _Mesh] = {}
         self._programs: weakref.WeakKeyDictionary[
@@ -1346,6 +1347,7 @@ class CompiledRunner:
                 leaves = [flat_out[j] for j in picks]
                 if dispatch.lane is None and not dispatch.lane_off and not kwargs:
                     _make_lane(plan, dispatch)
+                    self.lane_count += dispatch.lane is not None
                 return leaves[0] if dispatch.leaf else _nest.unflatten(program.out_spec, leaves)
             split_parts = [[g] for g in split]
             replicated_parts = [[g] for g in replicated]
