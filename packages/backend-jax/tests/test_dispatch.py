@@ -1355,3 +1355,44 @@ def test_no_lane_where_the_plan_does_not_allow_one(
     assert plan.dispatch is not None and plan.dispatch.lane is None
     assert plan.dispatch.lane_off is (why != "several devices")  # (never asked for several)
     assert backend.lane_count == 0
+
+
+def test_a_pytree_of_parameters_and_optimizer_state_takes_the_lane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The functional JAX idiom: parameters as nested dicts, the optimizer's state a
+    # tuple of such dicts and a step count, all passed in and returned.
+    lane_calls = count_lane_calls(monkeypatch)
+
+    def step(params: dict[str, Any], state: tuple[Any, Any], x: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((x @ p["dense"]["w"] + p["dense"]["b"]) ** 2)
+        )(params)
+        grads = ctx.all_reduce("MEAN", grads)
+        momentum, count = state
+        momentum = jax.tree.map(lambda m, g: 0.9 * m + g, momentum, grads)
+        params = jax.tree.map(lambda p, m: p - 0.1 * m, params, momentum)
+        return params, (momentum, count + 1), loss
+
+    def train(strategy: pd.Strategy, steps: int) -> tuple[Any, Any, list[float]]:
+        params = {"dense": {"w": jnp.full((3, 2), 0.5, jnp.float32), "b": jnp.zeros(2)}}
+        state = (jax.tree.map(jnp.zeros_like, params), jnp.int32(0))
+        x = pd.PerReplica((jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3),))
+        losses = []
+        for _ in range(steps):
+            params, state, loss = strategy.run(step, (params, state, x))
+            losses.append(float(loss))
+        return params, state, losses
+
+    strategy, backend = make(1)
+    params, state, losses = train(strategy, 6)
+    assert len(lane_calls) == 3 and all(r is not _spmd._MISSED for r in lane_calls)
+    assert backend.lane_count == 1 and backend.compile_count == 1
+    monkeypatch.setattr(_spmd, "LANE_COMPILE_SECONDS", 0.0)
+    want_params, want_state, want_losses = train(make(1)[0], 6)  # the replay alone
+    assert losses == want_losses and int(state[1]) == int(want_state[1]) == 6
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert sorted(params) == ["dense"] and sorted(params["dense"]) == ["b", "w"]

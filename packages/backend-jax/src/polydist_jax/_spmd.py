@@ -2619,8 +2619,9 @@ _MISSED = object()  # `_call_lane`: the lane declined the call
 def _make_lane(plan: _Plan, dispatch: _Dispatch) -> None:
     """Gives ``dispatch`` its lane, where the plan allows one: one device, one process,
     no variables, every leaf of ``(args, {})`` an array or a one-replica ``PerReplica``
-    of one, a result made of program outputs only, and a program that compiled fast
-    (`LANE_COMPILE_SECONDS`).
+    of one (in any nest: lists, dicts, a framework's pytrees of parameters), a result
+    made of program outputs only, and a program that compiled fast
+    (`LANE_COMPILE_SECONDS`). The caller makes it for calls without ``kwargs``.
 
     The lane is ``jax.jit`` of a function of fn's arguments: traced, it takes core's
     leaves of them as the replay does (the same structure, kinds, shapes, dtypes and
@@ -2637,7 +2638,6 @@ def _make_lane(plan: _Plan, dispatch: _Dispatch) -> None:
         or plan.variables
         or program.kept is not None
         or not dispatch.picks
-        or (dispatch.types is None and dispatch.template is None)  # (kwargs, deeper nests)
         or any(kind not in (_D_ARRAY, _D_ONE) for kind in dispatch.kinds)
         or sorted(slot for slot in plan.slots if slot is not None) != list(range(len(plan.inputs)))
     ):
