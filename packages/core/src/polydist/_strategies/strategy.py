@@ -38,6 +38,8 @@ from polydist._valuetypes.values import (
     PerReplica,
     ValueContext,
     check_num_components,
+    per_replica_nests,
+    picked_leaves,
     regroup,
     select_replicas,
 )
@@ -690,20 +692,10 @@ def _per_replica_args(
     flat, spec = _nest.flatten((args, kwargs))
     if not any(isinstance(leaf, DistributedValues) for leaf in flat):
         return [(args, kwargs)] * n
-    picked = [
-        i
-        for i, leaf in enumerate(flat)
-        if isinstance(leaf, DistributedValues) and not leaf._select_whole
-    ]
+    picked = picked_leaves(flat)
     for i in picked:
         check_num_components(flat[i], n, "strategy.run")
-    out = []
-    for r in range(n):
-        leaves = list(flat)
-        for i in picked:
-            leaves[i] = flat[i].values[r]
-        out.append(_nest.unflatten(spec, leaves))
-    return out
+    return per_replica_nests(flat, spec, picked, range(n))
 
 
 #: Per Strategy class: whether it keeps Strategy's scope (`Strategy.run` inlines it).

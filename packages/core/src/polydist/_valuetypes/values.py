@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -16,6 +16,8 @@ __all__ = [
     "PerReplica",
     "ValueContext",
     "check_num_components",
+    "per_replica_nests",
+    "picked_leaves",
     "regroup",
     "select_replica",
     "select_replicas",
@@ -210,18 +212,33 @@ def select_replicas(replica_ids: range, structured: Any) -> tuple[Any, ...] | No
     flat, spec = _nest.flatten(structured)
     if spec.is_leaf():
         return None
-    picked = [
-        i for i, x in enumerate(flat) if isinstance(x, DistributedValues) and not x._select_whole
-    ]
+    picked = picked_leaves(flat)
     if not picked and len(replica_ids) == 1:
         return (structured,)
+    return tuple(per_replica_nests(flat, spec, picked, replica_ids))
+
+
+def picked_leaves(flat: Sequence[Any]) -> list[int]:
+    """The positions in a nest's leaves ``flat`` of the distributed values a replica
+    takes its own component of (`select_replica`)."""
+    return [
+        i for i, x in enumerate(flat) if isinstance(x, DistributedValues) and not x._select_whole
+    ]
+
+
+def per_replica_nests(
+    flat: Sequence[Any], spec: Any, picked: Sequence[int], replica_ids: Iterable[int]
+) -> list[Any]:
+    """For each of ``replica_ids``, the nest ``spec`` of leaves ``flat`` with each
+    ``picked`` leaf replaced by that replica's component (`select_replica`, from one
+    flatten for all replicas)."""
     out = []
     for r in replica_ids:
         leaves = list(flat)
         for i in picked:
             leaves[i] = flat[i].values[r]
         out.append(_nest.unflatten(spec, leaves))
-    return tuple(out)
+    return out
 
 
 def regroup(
