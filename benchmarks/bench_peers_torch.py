@@ -5,7 +5,10 @@ Workload (the MLP of the issue's peer comparison): 512 -> 512 -> 512 -> 1, ReLU,
 biases, float32, mean squared error, SGD (lr 0.01), batch 1024, CPU, one replica
 per process. Contestants, each with its own copy of the same initial model,
 interleaved round by round (rotating which goes first; the machine may be shared,
-so load hits all alike):
+so load hits all alike). The rounds are split between ``--trials`` trials, each
+with fresh contestants made in a rotated order: where a contestant's tensors
+land in memory moved its step by up to 1% on the test machine, more than any
+framework's own cost here, so no contestant keeps one layout's luck:
 
 * ``hand``: plain PyTorch: forward, ``loss.backward()``, ``optimizer.step()``,
   ``optimizer.zero_grad()``;
@@ -187,8 +190,15 @@ def _version(module: str) -> str | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=800)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=4,
+        help="fresh contestants this many times, made in a rotated order; the rounds "
+        "are split between them",
+    )
     parser.add_argument(
         "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
     )
@@ -201,32 +211,59 @@ def main() -> int:
     x = torch.randn(GLOBAL_BATCH, FEATURES, generator=g)
     y = torch.randn(GLOBAL_BATCH, 1, generator=g)
 
-    contestants: dict[str, tuple[Step, nn.Module]] = {
-        "hand": hand_contestant(base, x, y),
-        "polydist": polydist_contestant(base, x, y),
+    makers: dict[str, Callable[..., tuple[Step, nn.Module] | None]] = {
+        "hand": hand_contestant,
+        "polydist": polydist_contestant,
+        "fabric": fabric_contestant,
+        "accelerate": accelerate_contestant,
     }
     skipped: list[str] = []
-    for name, make in (("fabric", fabric_contestant), ("accelerate", accelerate_contestant)):
-        made = make(base, x, y)
-        if made is None:
-            skipped.append(name)
-            print(f"{name}: not installed, skipped (nox -s bench-torch installs it)")
-        else:
-            contestants[name] = made
-    fns = {name: c[0] for name, c in contestants.items()}
-    for _ in range(args.warmup):
-        for fn in fns.values():
-            fn()
-    times = interleaved(fns, args.rounds)
+    times: dict[str, list[float]] = {}
+    # Per trial: each contestant's rounds, and the ratios of that trial alone.
+    trials: list[dict[str, Any]] = []
+    order = list(makers)
+    per_trial = max(1, args.rounds // args.trials)
+    for trial in range(args.trials):
+        # Fresh contestants each trial, made in a rotated order: where each one's
+        # tensors land in memory moves a step by up to 1% (measured), more than the
+        # frameworks' own costs, so no contestant keeps one layout's luck.
+        k = trial % len(order)
+        contestants: dict[str, tuple[Step, nn.Module]] = {}
+        for name in order[k:] + order[:k]:
+            if name in skipped:
+                continue
+            made = makers[name](base, x, y)
+            if made is None:
+                skipped.append(name)
+                print(f"{name}: not installed, skipped (nox -s bench-torch installs it)")
+            else:
+                contestants[name] = made
+        fns = {name: contestants[name][0] for name in order if name in contestants}
+        for _ in range(args.warmup):
+            for fn in fns.values():
+                fn()
+        got = interleaved(fns, per_trial)
+        for name, t in got.items():
+            times.setdefault(name, []).extend(t)
+        trials.append(
+            {
+                "made_in_order": [n for n in order[k:] + order[:k] if n in contestants],
+                "rounds": per_trial,
+                "to_hand": {n: paired_ratio(t, got["hand"]) for n, t in got.items() if n != "hand"},
+            }
+        )
 
-    # Every contestant made the same steps from the same start: the same weights.
-    reference = [p.detach() for p in contestants["hand"][1].parameters()]
-    for name, (_, model) in contestants.items():
-        params = [p.detach() for p in model.parameters()]
-        assert len(params) == len(reference), name
-        for p, r in zip(params, reference, strict=True):
-            torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-6, msg=f"{name} diverged")
+        # Every contestant made the same steps from the same start: the same weights.
+        reference = [p.detach() for p in contestants["hand"][1].parameters()]
+        for name, (_, model) in contestants.items():
+            params = [p.detach() for p in model.parameters()]
+            assert len(params) == len(reference), name
+            for p, r in zip(params, reference, strict=True):
+                torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-6, msg=f"{name} diverged")
+        del contestants, fns
 
+    # Rounds of every trial pooled: each ratio is the median of a's step / b's step
+    # over all rounds (paired within a round).
     medians = {name: statistics.median(t) for name, t in times.items()}
     to_hand = {n: paired_ratio(t, times["hand"]) for n, t in times.items() if n != "hand"}
     to_peers = {
@@ -234,7 +271,12 @@ def main() -> int:
         for peer in ("fabric", "accelerate")
         if peer in times
     }
-    for name in fns:
+    for t in trials:
+        print(
+            f"trial (made {', '.join(t['made_in_order'])}): "
+            + ", ".join(f"{n} x{r:.4f}" for n, r in t["to_hand"].items())
+        )
+    for name in times:
         extra = f"  x{to_hand[name]:.3f} of hand-written" if name in to_hand else ""
         print(f"1 x CPU: MLP step  {name:10s} {medians[name] * 1e3:7.2f} ms{extra}")
     for name, ratio in to_peers.items():
@@ -266,14 +308,16 @@ def main() -> int:
         "benchmark": "MLP training step (512 -> 512 -> 512 -> 1, batch 1024, SGD, float32, "
         "1 CPU replica): polydist's torch backend (distribute_module + distribute_optimizer "
         "in strategy.run) beside Lightning Fabric, Hugging Face Accelerate and hand-written "
-        "PyTorch, interleaved in one run; ratio: median over rounds of a's step / b's step",
+        "PyTorch, interleaved in one run; ratio: median over rounds of a's step / b's step, "
+        "the rounds of every trial (fresh contestants, made in a rotated order) pooled",
         "device": "cpu",
         "torch": torch.__version__,
         "lightning": _version("lightning") or _version("lightning_fabric"),
         "accelerate": _version("accelerate"),
         "skipped": skipped,
         "median_s": medians,
-        "rounds": args.rounds,
+        "rounds": per_trial * args.trials,
+        "trials": trials,
         "machine": machine() | {"torch_threads": torch.get_num_threads()},
         "load_average_after": list(os.getloadavg()),
         "ratios": ratios,

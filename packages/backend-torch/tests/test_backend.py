@@ -192,9 +192,38 @@ def test_destinations_may_be_torch_device_strings() -> None:
 
 
 def test_device_scope_places_new_tensors_and_keeps_backward_on_the_thread() -> None:
+    import threading
+
     backend = TorchBackend()
-    with backend.device_scope("/cpu:1"):
-        assert torch.zeros(1).device == torch.device("cpu")
+    hooked: list[int] = []
+    replica: list[int] = []
+
+    def run() -> None:
+        replica.append(threading.get_ident())
+        with backend.device_scope("/cpu:1"):
+            assert torch.zeros(1).device == torch.device("cpu")
+            # CPU work runs on the calling thread anyway: the setting is left alone
+            # (turning it off costs about 20 µs per backward pass).
+            assert torch._C._is_multithreading_enabled()
+            x = torch.ones(3, requires_grad=True)
+            y = x * 2
+            y.register_hook(lambda g: hooked.append(threading.get_ident()))
+            y.sum().backward()
+            assert x.grad is not None and x.grad.tolist() == [2.0, 2.0, 2.0]
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert hooked == replica and replica[0] != threading.get_ident()
+
+
+def test_an_accelerator_scope_keeps_backward_off_autograds_device_threads() -> None:
+    from polydist_torch._backend import _DeviceScope
+
+    # A CUDA backward would run on autograd's device threads, away from the replica's
+    # collectives: a non-CPU scope turns the engine's multithreading off, and restores it.
+    scope = _DeviceScope(torch.device("meta"), default_device=False)
+    with scope:
         assert not torch._C._is_multithreading_enabled()
     assert torch._C._is_multithreading_enabled()
 

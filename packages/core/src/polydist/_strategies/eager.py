@@ -90,10 +90,24 @@ def timeout_seconds_from_env(default: float = DEFAULT_TIMEOUT_SECONDS) -> float:
     The one parser of the variable, for every backend. Raises ``ValueError``
     naming the variable unless it is a finite number of seconds above 0.
     """
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    environ = os.environ
+    data = environ.__dict__.get("_data") if type(environ) is os._Environ else None
+    if type(data) is dict:
+        # Read at every run, so one lookup in os.environ's own dict: its Mapping.get
+        # encodes the key and raises and catches a KeyError when unset (~1 µs).
+        raw = data.get(_TIMEOUT_KEY)
+        if raw is None:
+            return default
+        cached = _PARSED.get(raw)
+        if cached is not None:
+            return cached
+        text = environ.decodevalue(raw).strip()
+    else:  # os.environ replaced by another mapping (as some test helpers do)
+        raw = None
+        text = environ.get(TIMEOUT_ENV, "").strip()
     if not text:
         return default
-    cached = _PARSED.get(text)  # read at every run: parse each text once
+    cached = _PARSED.get(text)  # parse each text once
     if cached is not None:
         return cached
     try:
@@ -109,10 +123,14 @@ def timeout_seconds_from_env(default: float = DEFAULT_TIMEOUT_SECONDS) -> float:
         )
     if len(_PARSED) < 64:
         _PARSED[text] = seconds
+        if raw is not None:
+            _PARSED[raw] = seconds
     return seconds
 
 
-_PARSED: dict[str, float] = {}
+#: Texts of the variable already parsed, and os.environ's raw values of them.
+_PARSED: dict[Any, float] = {}
+_TIMEOUT_KEY: Any = os.environ.encodekey(TIMEOUT_ENV)
 
 
 def default_timeout() -> float:
