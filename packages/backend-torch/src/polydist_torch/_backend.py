@@ -503,16 +503,21 @@ class _DeviceScope:
         self._multithreading = True
 
     def __enter__(self) -> None:
-        if not self._cpu:
-            self._multithreading = torch._C._is_multithreading_enabled()
-            torch._C._set_multithreading_enabled(False)
+        if self._cpu:  # entered by every CPU replica at every run: the least work
+            if self._default and not _default_device_is(_CPU):
+                mode: Any = DeviceContext(_CPU)
+                mode.__enter__()
+                self._mode = mode
+            return
+        self._multithreading = torch._C._is_multithreading_enabled()
+        torch._C._set_multithreading_enabled(False)
         try:
             if self._device.type == "cuda":
                 cuda: Any = torch.cuda.device(self._device)
                 cuda.__enter__()
                 self._cuda = cuda
             if self._default and not _default_device_is(self._device):
-                mode: Any = DeviceContext(self._device)
+                mode = DeviceContext(self._device)
                 mode.__enter__()
                 self._mode = mode
         except BaseException:
@@ -521,6 +526,10 @@ class _DeviceScope:
 
     def __exit__(self, *exc: object) -> None:
         mode, cuda, self._mode, self._cuda = self._mode, self._cuda, None, None
+        if self._cpu:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+            return
         try:
             if mode is not None:
                 mode.__exit__(None, None, None)
@@ -529,5 +538,4 @@ class _DeviceScope:
                 if cuda is not None:
                     cuda.__exit__(None, None, None)
             finally:
-                if not self._cpu:
-                    torch._C._set_multithreading_enabled(self._multithreading)
+                torch._C._set_multithreading_enabled(self._multithreading)
