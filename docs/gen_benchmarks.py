@@ -57,11 +57,13 @@ timings of a 1-2 ms step varied by up to 30% between runs of the same code.
 `torch-peers-cpu` (`benchmarks/bench_peers_torch.py`) trains one MLP (512 ->
 512 -> 512 -> 1, batch 1024, SGD, 1 CPU replica) with polydist's torch backend
 (`distribute_module` + `distribute_optimizer` in `strategy.run`), Lightning
-Fabric, Hugging Face Accelerate and plain PyTorch, interleaved in one run. The
-committed `torch-peers-cpu` and `torch-cpu` results were taken on the 2-core
-machine at load about 1 after the third round of per-step work of issue 20:
-polydist 1.019x the hand-written step, Fabric 1.026x, Accelerate 1.031x; the
-rounds are described in [the torch backend's page](backends/torch.md#benchmarks).
+Fabric, Hugging Face Accelerate and plain PyTorch, interleaved in one run, in
+4 trials of fresh contestants made in a rotated order (where a contestant's
+tensors land in memory moves its step by up to 1%). The committed
+`torch-peers-cpu` and `torch-cpu` results were taken on the 2-core machine at
+load about 1.3 after the fourth round of per-step work of issue 20: polydist
+1.011x the hand-written step, Fabric 1.011x, Accelerate 1.025x; the rounds are
+described in [the torch backend's page](backends/torch.md#benchmarks).
 
 `multiworker-step-cpu` (`benchmarks/bench_multiworker_step.py`) is a training
 step across 2 worker processes (1 replica each, loopback): an MLP whose 1 to 64
