@@ -35,9 +35,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 import polydist as pd
-from polydist.backend import context as _context
 from polydist.backend import replica_group
-from polydist.backend.context import replica_index
+from polydist.backend.context import current_replica
 from polydist.backend.tracing import is_tracing, swap_storage
 from polydist_torch._backend import TorchBackend, _GradMode
 from polydist_torch._storage import mark_variable_storage
@@ -91,18 +90,17 @@ def _replica_index(strategy: pd.Strategy, what: str) -> int | None:
     """This replica's index among the strategy's local replicas, ``None`` outside ``run``."""
     # Asked several times per training step: one look at the mode stack in the common
     # case (inside a run of ``strategy``), has_strategy only when that is not it.
-    mode = _context.current_mode()
-    ctx = mode.replica_context
-    if ctx is None:
+    found = current_replica()
+    if found is None:
         return None
-    if mode.strategy is not strategy:
+    running, _, index = found
+    if running is not strategy:
         if not pd.has_strategy():
             return None
         raise RuntimeError(
-            f"{what} belongs to {strategy!r} but is used inside a run of {mode.strategy!r}; "
+            f"{what} belongs to {strategy!r} but is used inside a run of {running!r}; "
             "use it with the strategy it was distributed with."
         )
-    index = replica_index(ctx)
     if index is None:
         raise NotImplementedError(
             f"{what} needs a replica with a Python index (the eager torch backend); a compiled "
@@ -728,10 +726,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # The process's one replica, inside run (a one-replica strategy, or a worker
             # process's replica): `_step` without its questions, the per-step path. With one
             # replica in sync the sum is its own gradients, so the step is the wrapped
-            # optimizer's, on the very .grad tensors backward() made.
-            with _GradMode(False):
-                self._all_reduce_gradients(0)
+            # optimizer's, on the very .grad tensors backward() made. (Grad mode set by
+            # hand: a context manager is three more calls per step.)
+            enabled = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                if not self._alone:
+                    self._all_reduce_gradients(0)
                 loss = self._replicas[0].step()
+            finally:
+                torch._C._set_grad_enabled(enabled)
             self._reduced[0] = False
             return loss
         # torch.no_grad as a decorator clones its context at every call: a plain one here.

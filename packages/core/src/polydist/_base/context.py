@@ -227,6 +227,19 @@ def get_cross_replica_context() -> Strategy | None:
     return current_mode().cross_replica_context
 
 
+def current_replica() -> tuple[Strategy, ReplicaContext, int | None] | None:
+    """Inside a replica: its strategy, its replica context and its index among this
+    process's replicas (``None`` in a context traced once for every replica); ``None``
+    in cross-replica context. One read of the mode stack: a backend asks it several
+    times per step, where each call costs on cold caches."""
+    stack = _stack.get()
+    m = stack[-1] if stack else _get_default_mode()
+    ctx = m.replica_context
+    if ctx is None:
+        return None
+    return m.strategy, ctx, ctx._replica_index
+
+
 def current_replica_index() -> int | None:
     """The integer id of the current replica, or ``None`` outside replica context."""
     ctx = current_mode().replica_context

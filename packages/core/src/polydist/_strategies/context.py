@@ -13,6 +13,7 @@ from polydist._base.context import CROSS_REPLICA_MESSAGE as CROSS_REPLICA_MESSAG
 from polydist._base.context import _get_default_mode as _get_default_mode
 from polydist._base.context import _Mode as _Mode
 from polydist._base.context import current_mode as current_mode
+from polydist._base.context import current_replica as current_replica
 from polydist._base.context import current_replica_index as current_replica_index
 from polydist._base.context import experimental_set_strategy as experimental_set_strategy
 from polydist._base.context import has_strategy as has_strategy

@@ -15,6 +15,7 @@ from polydist._base.arrays import (
     convert_to_array,
     describe,
     divide_exactly,
+    is_array,
     is_integral,
 )
 from polydist._base.communication import CommunicationOptions, call_options
@@ -502,7 +503,9 @@ class Strategy:
         extended = self._extended
         if type(extended).call_for_each_replica is not StrategyExtended.call_for_each_replica:
             return extended.call_for_each_replica(fn, args, kwargs)
-        _check_callable(fn, "fn", "strategy.run(fn, args=(...))")
+        candidate: Any = fn  # (the check's own call only where it fails)
+        if not callable(candidate):
+            _check_callable(fn, "fn", "strategy.run(fn, args=(...))")
         args = args if type(args) is tuple else tuple(args)
         return extended._call_for_each_replica(fn, args, {} if kwargs is None else dict(kwargs))
 
@@ -530,7 +533,19 @@ class Strategy:
         """
         _context.require_cross_replica_or_default_context(self)
         reduce_op = as_reduce_op(reduce_op)
-        if not _nest.is_plain_leaf(value) and _nest.is_nested(value):
+        if _nest.is_plain_leaf(value):
+            # The loss of a one-replica step (reduced every step): what `_reduce_to` gives
+            # a plain array there, the array itself, without its calls (each costs on a
+            # step's cold caches).
+            if (
+                axis is None
+                and reduce_op is ReduceOp.SUM
+                and _plain_array(value)
+                and _plain_reduce(type(self._extended))
+                and len(self._extended._devices) == 1
+            ):
+                return value
+        elif _nest.is_nested(value):
             return _nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
         if axis is None:
             if reduce_op is ReduceOp.MEAN:  # NaN means of empty batches: PartialBatchWarning
@@ -702,6 +717,47 @@ def _per_replica_args(
 _PLAIN_SCOPE: dict[type, bool] = {}
 #: Per StrategyExtended class: whether its run's devices are ``_devices`` itself.
 _PLAIN_RUN_DEVICES: dict[type, bool] = {}
+
+
+#: Per StrategyExtended class: whether it reduces a value that is not distributed as
+#: `StrategyExtended` does (`_plain_reduce`).
+_PLAIN_REDUCE: dict[type, bool] = {}
+#: Per type: whether its values are arrays that reduce as themselves (`_plain_array`).
+_PLAIN_ARRAY: dict[type, bool] = {}
+
+
+def _plain_reduce(cls: type[StrategyExtended]) -> bool:
+    """Whether ``cls`` reduces a non-distributed array as `StrategyExtended` does: with
+    one replica in sync, SUM gives the array itself (TF's
+    ``reduce_non_distributed_value``), none of the steps overridden."""
+    plain = _PLAIN_REDUCE.get(cls)
+    if plain is None:
+        base = StrategyExtended
+        plain = _PLAIN_REDUCE[cls] = all(
+            getattr(cls, name) is getattr(base, name)
+            for name in (
+                "_reduce_to",
+                "_host_group",
+                "_reduce_non_distributed",
+                "_to_destinations",
+                "_num_replicas_in_sync",
+            )
+        )
+    return plain
+
+
+def _plain_array(value: Any) -> bool:
+    """Whether ``value``'s type is an array type (no variable, no ``IndexedSlices``),
+    which `convert_to_array` returns as it is."""
+    cls = type(value)
+    plain = _PLAIN_ARRAY.get(cls)
+    if plain is None:
+        plain = _PLAIN_ARRAY[cls] = (
+            is_array(value)
+            and not isinstance(value, (_variables.Variable, IndexedSlices, DistributedValues))
+            and convert_to_array(value) is value
+        )
+    return plain
 
 
 def _plain_run_devices(cls: type[StrategyExtended]) -> bool:

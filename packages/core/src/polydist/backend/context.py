@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 from polydist._strategies.context import current_mode as current_mode
+from polydist._strategies.context import current_replica as current_replica
 from polydist._strategies.context import current_replica_index as current_replica_index
 from polydist._strategies.context import mode as _mode
 
@@ -27,6 +28,7 @@ __all__ = [
     "container_strategy",
     "cross_replica_scope",
     "current_mode",
+    "current_replica",
     "current_replica_index",
     "replica_channel",
     "replica_index",
