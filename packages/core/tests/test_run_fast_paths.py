@@ -292,3 +292,60 @@ def test_local_results_of_a_nest_are_each_replicas_nest(replicas: int) -> None:
     picked = strategy.experimental_local_results({"v": [value, leaf]})
     assert [float(p["v"][0]) for p in picked] == [10.0 + r for r in range(replicas)]
     assert all(p["v"][1] is leaf for p in picked)
+
+
+def test_a_plain_array_sum_of_one_replica_is_the_array_itself_as_the_general_path_gives() -> None:
+    """``reduce(SUM, array, axis=None)`` with one replica in sync returns the array (TF's
+    ``reduce_non_distributed_value``) without `_reduce_to`'s calls, where the strategy
+    reduces as `StrategyExtended` does; anything else takes the general path."""
+    from polydist._strategies.strategy import StrategyExtended
+
+    strategy = pd.OneDeviceStrategy("/cpu:0", backend=SimBackend())
+    loss = np.array([1.5, 2.5], np.float32)
+    for _ in range(2):  # the second call finds the types classified
+        assert strategy.reduce("SUM", loss, axis=None) is loss
+        assert strategy.reduce(pd.ReduceOp.SUM, loss, axis=None) is loss
+    # MEAN (a partial-batch check first), an axis, a variable: the general path.
+    np.testing.assert_array_equal(strategy.reduce("MEAN", loss, axis=None), loss)
+    assert float(strategy.reduce("SUM", loss, axis=0)) == 4.0
+    with strategy.scope():
+        v = pd.Variable(np.float32(3.0))
+    got = strategy.reduce("SUM", v, axis=None)
+    assert not isinstance(got, pd.Variable) and float(got) == 3.0
+
+    calls: list[Any] = []
+
+    class Counting(type(strategy.extended)):  # type: ignore[misc]
+        def _reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
+            calls.append(value)
+            return super()._reduce_to(reduce_op, value, destinations)
+
+    assert Counting._reduce_to is not StrategyExtended._reduce_to
+    strategy.extended.__class__ = Counting
+    try:
+        assert strategy.reduce("SUM", loss, axis=None) is loss
+    finally:
+        strategy.extended.__class__ = Counting.__mro__[1]
+    assert calls == [loss]  # an override of _reduce_to is still called
+
+    mirrored = pd.MirroredStrategy(2, backend=SimBackend())
+    with pytest.raises(ValueError, match="cannot be reduced"):
+        mirrored.reduce("SUM", loss, axis=None)  # two replicas: TF's error, not the array
+
+
+def test_current_replica_reads_strategy_context_and_index_in_one_call() -> None:
+    from polydist.backend.context import current_replica
+
+    strategy = pd.MirroredStrategy(3, backend=SimBackend())
+    with strategy.scope():
+        assert current_replica() is None  # cross-replica context
+    seen = strategy.experimental_local_results(
+        strategy.run(lambda: current_replica())  # type: ignore[no-untyped-call]
+    )
+    assert [(s is strategy, ctx is not None, i) for s, ctx, i in seen] == [
+        (True, True, 0),
+        (True, True, 1),
+        (True, True, 2),
+    ]
+    default = current_replica()  # the default strategy's replica context
+    assert default is not None and default[0] is pd.get_strategy() and default[2] == 0
