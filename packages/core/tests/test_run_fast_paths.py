@@ -295,9 +295,10 @@ def test_local_results_of_a_nest_are_each_replicas_nest(replicas: int) -> None:
 
 
 def test_a_plain_array_sum_of_one_replica_is_the_array_itself_as_the_general_path_gives() -> None:
-    """``reduce(SUM, array, axis=None)`` with one replica in sync returns the array (TF's
-    ``reduce_non_distributed_value``) without `_reduce_to`'s calls, where the strategy
-    reduces as `StrategyExtended` does; anything else takes the general path."""
+    """``reduce(SUM, array, axis=None)`` with one replica in sync, and ``MEAN`` with any
+    number, return the array (TF's ``reduce_non_distributed_value``) without
+    `_reduce_to`'s calls, where the strategy reduces as `StrategyExtended` does; anything
+    else takes the general path."""
     from polydist._strategies.strategy import StrategyExtended
 
     strategy = pd.OneDeviceStrategy("/cpu:0", backend=SimBackend())
@@ -305,8 +306,8 @@ def test_a_plain_array_sum_of_one_replica_is_the_array_itself_as_the_general_pat
     for _ in range(2):  # the second call finds the types classified
         assert strategy.reduce("SUM", loss, axis=None) is loss
         assert strategy.reduce(pd.ReduceOp.SUM, loss, axis=None) is loss
-    # MEAN (a partial-batch check first), an axis, a variable: the general path.
-    np.testing.assert_array_equal(strategy.reduce("MEAN", loss, axis=None), loss)
+    assert strategy.reduce("MEAN", loss, axis=None) is loss
+    # An axis, a variable: the general path.
     assert float(strategy.reduce("SUM", loss, axis=0)) == 4.0
     with strategy.scope():
         v = pd.Variable(np.float32(3.0))
@@ -329,6 +330,7 @@ def test_a_plain_array_sum_of_one_replica_is_the_array_itself_as_the_general_pat
     assert calls == [loss]  # an override of _reduce_to is still called
 
     mirrored = pd.MirroredStrategy(2, backend=SimBackend())
+    assert mirrored.reduce("MEAN", loss, axis=None) is loss  # the same on every replica
     with pytest.raises(ValueError, match="cannot be reduced"):
         mirrored.reduce("SUM", loss, axis=None)  # two replicas: TF's error, not the array
 

@@ -534,15 +534,15 @@ class Strategy:
         _context.require_cross_replica_or_default_context(self)
         reduce_op = as_reduce_op(reduce_op)
         if _nest.is_plain_leaf(value):
-            # The loss of a one-replica step (reduced every step): what `_reduce_to` gives
-            # a plain array there, the array itself, without its calls (each costs on a
-            # step's cold caches).
+            # A step's loss, reduced every step: what `_reduce_to` gives a plain array
+            # (TF's reduce_non_distributed_value: itself, for MEAN, and for SUM with one
+            # replica in sync), without its calls, each of which costs on a step's cold
+            # caches. (MEAN's partial-batch warning looks at distributed values only.)
             if (
                 axis is None
-                and reduce_op is ReduceOp.SUM
                 and _plain_array(value)
                 and _plain_reduce(type(self._extended))
-                and len(self._extended._devices) == 1
+                and (reduce_op is ReduceOp.MEAN or len(self._extended._devices) == 1)
             ):
                 return value
         elif _nest.is_nested(value):
