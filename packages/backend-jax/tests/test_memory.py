@@ -120,3 +120,38 @@ def test_placing_a_numpy_array_while_a_program_is_traced() -> None:
     device = jax.devices()[0]
     out = jax.jit(lambda: host_copy(np.full(3, 1.5, np.float32), device) * 2)()
     assert out.tolist() == [3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize("devices", [["/cpu:0"], ["/cpu:0", "/cpu:1"]])
+def test_a_variable_written_every_step_keeps_its_deferred_source_until_a_read(
+    devices: list[str],
+) -> None:
+    """Each step's new copies replace those of last step's source in place while none was
+    read (`InputCache.renew_deferred`); once a copy is read, the next step defers a new
+    source, so the array the caller read keeps its value."""
+    strategy = pd.MirroredStrategy(devices, backend=JaxBackend())
+    with strategy.scope():
+        v = pd.Variable(jnp.zeros(3, jnp.float32))
+
+    def step() -> None:
+        v.assign_add(jnp.ones(3, jnp.float32))
+
+    def source() -> Any:
+        sources = {id(c.__dict__.get("_pending")) for c in v.values}
+        assert len(sources) == 1
+        return v.values[0].__dict__.get("_pending")
+
+    for _ in range(4):  # the first calls trace and record the plan
+        strategy.run(step)
+    first = source()
+    assert first is not None
+    strategy.run(step)
+    strategy.run(step)
+    assert source() is first  # renewed in place: no copy was read
+    held = v.values[-1].read_value()
+    np.testing.assert_array_equal(np.asarray(held), np.full(3, 6.0, np.float32))
+    strategy.run(step)
+    assert source() is not first  # a copy was read: a new source
+    np.testing.assert_array_equal(np.asarray(held), np.full(3, 6.0, np.float32))
+    for c in v.values:
+        np.testing.assert_array_equal(np.asarray(c.read_value()), np.full(3, 7.0, np.float32))

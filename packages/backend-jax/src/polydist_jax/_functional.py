@@ -505,6 +505,32 @@ class InputCache:
         ``source``'s (`polydist.backend.tracing.defer_storage`)."""
         self._set(var, (source, global_array, _DEFERRED))
 
+    def renew_deferred(
+        self, var: Variable, global_array: Any, aval: Any, mesh: Any, scalar: bool
+    ) -> bool:
+        """Makes ``global_array`` the copies of ``var``'s deferred source in place, where
+        none of them was read since it was recorded and the variable's storage still
+        comes from it (copies of the same ``aval``, ``mesh`` and ``scalar``-ness, as the
+        source was made with); False otherwise (the caller then
+        defers a new source). A one-device step writes each variable every step: this is
+        one call instead of a new source, its deferral and its record."""
+        key = id(var)
+        hit = self._cache.get(key)
+        if hit is None or hit[2] is not _DEFERRED:
+            return False
+        source = hit[0]
+        if (
+            source.read
+            or source.mesh is not mesh
+            or source.scalar is not scalar
+            or source.aval != aval
+            or deferred_storage(var, source) is None
+        ):
+            return False
+        source.array = global_array
+        self._cache[key] = (source, global_array, _DEFERRED)
+        return True
+
     def deferred(self, var: Variable) -> tuple[Any, Any] | None:
         """``(global array, a copy's (shape, dtype))`` while ``var``'s copies are still
         the deferred ones recorded (read or not), else None."""
@@ -594,6 +620,12 @@ def _deferred_copies(var: Variable, source: DeferredCopies) -> list[Any] | None:
 
 class DeferredCopies(Protocol):
     """A variable's deferred copies as `InputCache` needs them (``_spmd._Stored``)."""
+
+    array: Any
+    """The program output that holds every copy (`InputCache.renew_deferred` replaces
+    it while no copy was read)."""
+    mesh: Any
+    scalar: bool
 
     @property
     def aval(self) -> Any:

@@ -1984,10 +1984,14 @@ class CompiledRunner:
                     for (_, scalar), g in zip(program.updates, updated, strict=True)
                 ]
             put = self._variable_inputs.put_deferred
+            renew = self._variable_inputs.renew_deferred
             for (position, scalar), global_array, aval in zip(
                 program.updates, updated, avals, strict=True
             ):
                 var = variables[position]
+                # Last call's source, no copy read from it: this call's output in its place.
+                if renew(var, global_array, aval, mesh, scalar):
+                    continue
                 source = _Stored(global_array, mesh, scalar, aval)
                 defer_storage(var, source)
                 put(var, source, global_array)
