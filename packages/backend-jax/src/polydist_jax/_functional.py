@@ -511,9 +511,9 @@ class InputCache:
         """Makes ``global_array`` the copies of ``var``'s deferred source in place, where
         none of them was read since it was recorded and the variable's storage still
         comes from it (copies of the same ``aval``, ``mesh`` and ``scalar``-ness, as the
-        source was made with); False otherwise (the caller then
-        defers a new source). A one-device step writes each variable every step: this is
-        one call instead of a new source, its deferral and its record."""
+        source was made with); False otherwise (the caller then defers a new source).
+        A training step writes its variables every step: this is one call instead of a
+        new source, its deferral and its record."""
         key = id(var)
         hit = self._cache.get(key)
         if hit is None or hit[2] is not _DEFERRED:

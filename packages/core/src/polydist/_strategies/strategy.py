@@ -727,9 +727,9 @@ _PLAIN_ARRAY: dict[type, bool] = {}
 
 
 def _plain_reduce(cls: type[StrategyExtended]) -> bool:
-    """Whether ``cls`` reduces a non-distributed array as `StrategyExtended` does: with
-    one replica in sync, SUM gives the array itself (TF's
-    ``reduce_non_distributed_value``), none of the steps overridden."""
+    """Whether ``cls`` reduces a non-distributed array as `StrategyExtended` does (none
+    of the steps overridden): MEAN, and SUM with one replica in sync, give the array
+    itself (TF's ``reduce_non_distributed_value``)."""
     plain = _PLAIN_REDUCE.get(cls)
     if plain is None:
         base = StrategyExtended
