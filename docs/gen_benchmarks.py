@@ -60,11 +60,11 @@ timings of a 1-2 ms step varied by up to 30% between runs of the same code.
 Fabric, Hugging Face Accelerate and plain PyTorch, interleaved in one run, in
 4 trials of fresh contestants made in a rotated order (where a contestant's
 tensors land in memory moves its step by up to 1%). The committed
-`torch-peers-cpu` results were taken on the 2-core machine at load about 1
-after the fourth round of per-step work of issue 20: polydist 1.009x the
-hand-written step, Fabric 1.013x, Accelerate 1.027x; the same contestants on a
-32-wide MLP with batches of 32 (a 0.3 ms step, where the fixed cost per step
-shows): polydist 1.123x, Fabric 1.153x, Accelerate 1.718x. The rounds are
+`torch-peers-cpu` results were taken on the 2-core machine at load about 1.2
+after the fourth round of per-step work of issue 20: polydist 1.006x the
+hand-written step, Fabric 1.009x, Accelerate 1.021x; the same contestants on a
+32-wide MLP with batches of 32 (a 0.4 ms step, where the fixed cost per step
+shows): polydist 1.145x, Fabric 1.162x, Accelerate 1.730x. The rounds are
 described in [the torch backend's page](backends/torch.md#benchmarks).
 
 `multiworker-step-cpu` (`benchmarks/bench_multiworker_step.py`) is a training

@@ -504,16 +504,7 @@ class _DeviceScope:
 
     def __enter__(self) -> None:
         if self._cpu:  # entered by every CPU replica at every run: the least work
-            if (
-                self._default
-                # `_default_device_is(_CPU)`, its common case inline (one call less)
-                and not (
-                    _GLOBAL_DEVICE_CONTEXT is not None
-                    and _GLOBAL_DEVICE_CONTEXT.__dict__.get("device_context") is None
-                    and torch._C._len_torch_function_stack() == 0
-                )
-                and not _default_device_is(_CPU)
-            ):
+            if self._default and not _default_device_is(_CPU):
                 mode: Any = DeviceContext(_CPU)
                 mode.__enter__()
                 self._mode = mode

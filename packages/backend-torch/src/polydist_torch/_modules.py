@@ -726,16 +726,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # The process's one replica, inside run (a one-replica strategy, or a worker
             # process's replica): `_step` without its questions, the per-step path. With one
             # replica in sync the sum is its own gradients, so the step is the wrapped
-            # optimizer's, on the very .grad tensors backward() made. (Grad mode set by
-            # hand: a context manager is three more calls per step.)
-            enabled = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)
-            try:
+            # optimizer's, on the very .grad tensors backward() made.
+            with _GradMode(False):
                 if not self._alone:
                     self._all_reduce_gradients(0)
                 loss = self._replicas[0].step()
-            finally:
-                torch._C._set_grad_enabled(enabled)
             self._reduced[0] = False
             return loss
         # torch.no_grad as a decorator clones its context at every call: a plain one here.

@@ -503,9 +503,7 @@ class Strategy:
         extended = self._extended
         if type(extended).call_for_each_replica is not StrategyExtended.call_for_each_replica:
             return extended.call_for_each_replica(fn, args, kwargs)
-        candidate: Any = fn  # (the check's own call only where it fails)
-        if not callable(candidate):
-            _check_callable(fn, "fn", "strategy.run(fn, args=(...))")
+        _check_callable(fn, "fn", "strategy.run(fn, args=(...))")
         args = args if type(args) is tuple else tuple(args)
         return extended._call_for_each_replica(fn, args, {} if kwargs is None else dict(kwargs))
 
@@ -732,17 +730,24 @@ def _plain_reduce(cls: type[StrategyExtended]) -> bool:
     itself (TF's ``reduce_non_distributed_value``)."""
     plain = _PLAIN_REDUCE.get(cls)
     if plain is None:
-        base = StrategyExtended
-        plain = _PLAIN_REDUCE[cls] = all(
-            getattr(cls, name) is getattr(base, name)
-            for name in (
+        plain = _inherits(
+            cls,
+            _PLAIN_REDUCE,
+            (
                 "_reduce_to",
                 "_host_group",
                 "_reduce_non_distributed",
                 "_to_destinations",
                 "_num_replicas_in_sync",
-            )
+            ),
         )
+    return plain
+
+
+def _inherits(cls: type[StrategyExtended], cache: dict[type, bool], names: tuple[str, ...]) -> bool:
+    """Whether ``cls`` overrides none of `StrategyExtended`'s ``names``, recorded in
+    ``cache`` (its callers read it there first: they are asked at every run or reduce)."""
+    plain = cache[cls] = all(getattr(cls, n) is getattr(StrategyExtended, n) for n in names)
     return plain
 
 
@@ -766,10 +771,7 @@ def _plain_run_devices(cls: type[StrategyExtended]) -> bool:
     group is on those very devices is then current (`StrategyExtended._run_execution`)."""
     plain = _PLAIN_RUN_DEVICES.get(cls)
     if plain is None:
-        plain = _PLAIN_RUN_DEVICES[cls] = (
-            cls._run_devices is StrategyExtended._run_devices
-            and cls.worker_devices is StrategyExtended.worker_devices
-        )
+        plain = _inherits(cls, _PLAIN_RUN_DEVICES, ("_run_devices", "worker_devices"))
     return plain
 
 
