@@ -35,7 +35,7 @@ $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
     cp "$LOGS/install.txt" "$OUT/summary.txt"
     exit 1
 }
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # (the polydist command)
 
 # Several processes share the GPU: JAX must not take 75% of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -343,6 +343,9 @@ def _train(strategy: pd.Strategy, args: argparse.Namespace, out: Path, rank: int
         if args.ckpt and pd.checkpoint.save(args.ckpt, strategy, step=step) is not None:
             saved += 1
         if args.slow:
+            # The step's collectives are done (an asynchronous dispatch returns before
+            # them): a kill after this report lands between steps, not inside one.
+            as_numpy(strategy, w.read_value())
             (out / f"progress{rank}").write_text(str(step))
             time.sleep(args.slow)
     save(

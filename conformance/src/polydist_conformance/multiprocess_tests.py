@@ -225,7 +225,9 @@ def check_sum(
 def kill_a_worker(engine: Engine, out: Path, victim: int) -> tuple[int, float]:
     """Trains, kills worker ``victim`` (SIGKILL) after its step 2, and waits for the other
     one to exit: its exit code, and how many seconds after the kill it came."""
-    procs = engine.start(out, "train", "--steps", "300", "--slow", "0.1", "--timeout", f"{TIMEOUT}")
+    # --slow 0.3: the kill lands in the pause after step 2 even when this process polls
+    # late on a loaded machine (with 0.1 it once landed in step 3's compiled collective).
+    procs = engine.start(out, "train", "--steps", "300", "--slow", "0.3", "--timeout", f"{TIMEOUT}")
     try:
         wait_progress(out, victim, 2, timeout=60)
         procs[victim].send_signal(signal.SIGKILL)

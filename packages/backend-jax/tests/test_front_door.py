@@ -20,8 +20,12 @@ from polydist_jax import JaxBackend
 
 
 def _polydist_command() -> str:
-    found = shutil.which("polydist", path=str(Path(sys.executable).parent))
-    assert found is not None, "the polydist command is not installed next to this Python"
+    # Next to this Python (a virtualenv), else on PATH (``pip install --target`` puts it
+    # in the target's bin/, as benchmarks/device_check.sh does).
+    found = shutil.which("polydist", path=str(Path(sys.executable).parent)) or shutil.which(
+        "polydist"
+    )
+    assert found is not None, "the polydist command is neither next to this Python nor on PATH"
     return found
 
 
