@@ -19,6 +19,10 @@ process (the machine may be shared, so load hits all alike):
   training step of Keras's JAX guide (``stateless_call`` + ``stateless_apply``,
   state donated). Optional: skipped (and said so) when ``keras`` is not installed;
   ``nox -s bench-jax`` installs it;
+* ``hand_recompiled`` (no target): the control, the hand-written step compiled a
+  second time and timed as one more contestant; its ratio to ``hand`` is what
+  this comparison reads where there is no overhead at all (its noise: the
+  contestant's place in the round, its compile, where its buffers landed);
 * ``polydist_params_new_batch`` against ``hand_new_batch`` (no target), in rounds
   of their own: the parameters passed in, fed a new batch each step (8 batches
   already on the devices, cycled, as a prefetching input pipeline gives them:
@@ -272,10 +276,14 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         "pd_new": replicate(batches_strategy, [jnp.asarray(p) for p in init]),
         "hand": jax.device_put([jnp.asarray(p) for p in init], NamedSharding(mesh, P())),
         "hand_new": jax.device_put([jnp.asarray(p) for p in init], NamedSharding(mesh, P())),
+        "hand2": jax.device_put([jnp.asarray(p) for p in init], NamedSharding(mesh, P())),
         "k": 0,
         "k_hand": 0,
     }
     hand = hand_written(mesh, n)
+    # The control: the same hand-written step compiled a second time, timed as a
+    # contestant. Its ratio is what this comparison reads for no overhead at all.
+    hand2 = hand_written(mesh, n)
 
     def run_params() -> None:
         state["pd"], loss = params_strategy.run(polydist_params_step, (state["pd"], x_pr, y_pr))
@@ -294,6 +302,10 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         state["hand"], loss = hand(state["hand"], x_global, y_global)
         block((state["hand"], loss))
 
+    def run_hand_recompiled() -> None:
+        state["hand2"], loss = hand2(state["hand2"], x_global, y_global)
+        block((state["hand2"], loss))
+
     def run_params_new_batch() -> None:
         state["k"] = k = (state["k"] + 1) % NEW_BATCHES
         x, y = new_pr[k]
@@ -310,6 +322,7 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         "polydist_params": run_params,
         "polydist_params_read_all": run_params_read,
         "polydist_variables": run_variables,
+        "hand_recompiled": run_hand_recompiled,
     }
     # Measured apart (their own interleaved rounds), so that the rows above keep the
     # context of earlier runs: on one GPU, more loops interleaved moved them by 0.1.
@@ -326,6 +339,7 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     compiles_first = backend.compile_count
     lanes_first = backend.lane_count
     run_hand()
+    run_hand_recompiled()
     run_hand_new_batch()
     fns.update(keras_contestants(devices, init, x_global, y_global))
     for fn in (*fns.values(), *batch_fns.values()):  # warm up (compiles)
@@ -347,6 +361,8 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     for a, b in zip(state["pd_new"], state["hand_new"], strict=True):
         first = batches_strategy.experimental_local_results(a)[0]
         np.testing.assert_allclose(np.asarray(first), np.asarray(b), rtol=1e-4, atol=1e-6)
+    for a, b in zip(state["hand2"], state["hand"], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for v, b in zip(variables, state["hand"], strict=True):
         np.testing.assert_allclose(v.numpy(), np.asarray(b), rtol=1e-4, atol=1e-6)
 
@@ -562,6 +578,8 @@ def main() -> int:
     step_target = STEP_TARGET if platform == "cpu" else 1.05
     for name, ratio in step["ratio_to_hand_written"].items():
         fed = " fed the same new batches" if name.endswith("_new_batch") else ""
+        if name == "hand_recompiled":
+            fed = " (the control: the same step compiled again; this comparison's noise)"
         row: dict[str, Any] = {
             "case": f"MLP step, {name} / hand-written jit(shard_map){fed}",
             "device": device,
