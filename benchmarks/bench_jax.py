@@ -29,7 +29,10 @@ process (the machine may be shared, so load hits all alike):
   polydist a ``PerReplica`` of each batch's shards, the hand-written step its
   global array). The rows above feed one batch every step.
 
-Each step ends by waiting for its results (``jax.block_until_ready``), as a
+Each contestant's time until its call returns (before the wait) is recorded too
+(``handover_median_s``): the host's work to hand the step over, which on a GPU
+includes launching its kernels. Each step ends by waiting for its results
+(``jax.block_until_ready``), as a
 training loop that reads its loss each step does: the hand-written step's params
 and loss (one program: they are ready together); polydist's loss (its new params or
 variables' copies come from the same program, so they are ready with it). The
@@ -155,7 +158,7 @@ def hand_written(mesh: Mesh, n: int) -> Any:
 
 def keras_contestants(
     devices: list[Any], params: list[np.ndarray], x: Any, y: Any
-) -> dict[str, Callable[[], None]]:
+) -> dict[str, Callable[[], Any]]:
     """Keras 3 DataParallel's two ways to train the MLP (empty without keras)."""
     try:
         import keras  # type: ignore[import-not-found,import-untyped,unused-ignore]
@@ -204,29 +207,36 @@ def keras_contestants(
         y, keras.distribution.distribution().get_data_layout(y.shape).backend_layout
     )
 
-    def stateless() -> None:
+    def stateless() -> Any:
         out = train_step(state["trainable"], state["non_trainable"], state["optimizer"], xk, yk)
         state["trainable"], state["non_trainable"], state["optimizer"], loss = out
-        block((out, loss))
+        return (out, loss)
 
-    def on_batch() -> None:
+    def on_batch() -> Any:
         fit_model.train_on_batch(xk, yk)
-        block([v.value for v in fit_model.trainable_variables])
+        return [v.value for v in fit_model.trainable_variables]
 
     return {"keras_train_on_batch": on_batch, "keras_stateless_jit": stateless}
 
 
-def interleaved(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
-    """Wall times of each function, calling them in turn each round (rotating which
-    goes first), so that load from other processes hits all alike."""
+def interleaved(
+    fns: dict[str, Callable[[], Any]], rounds: int, handover: dict[str, list[float]] | None = None
+) -> dict[str, list[float]]:
+    """Wall times of each step (its function's call, then waiting for what it returns),
+    calling them in turn each round (rotating which goes first), so that load from other
+    processes hits all alike. ``handover`` gets the time until each call returned."""
     names = list(fns)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             start = time.perf_counter()
-            fns[name]()
+            result = fns[name]()
+            returned = time.perf_counter()
+            block(result)
             samples[name].append(time.perf_counter() - start)
+            if handover is not None:
+                handover.setdefault(name, []).append(returned - start)
     return samples
 
 
@@ -285,39 +295,40 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     # contestant. Its ratio is what this comparison reads for no overhead at all.
     hand2 = hand_written(mesh, n)
 
-    def run_params() -> None:
+    # Each returns what its step waits for (`interleaved` times the wait apart).
+    def run_params() -> Any:
         state["pd"], loss = params_strategy.run(polydist_params_step, (state["pd"], x_pr, y_pr))
-        block(loss)
+        return loss
 
-    def run_params_read() -> None:
+    def run_params_read() -> Any:
         state["pd_read"], loss = read_strategy.run(
             polydist_params_step, (state["pd_read"], x_pr, y_pr)
         )
-        block((state["pd_read"], loss))  # every replica's copy of every parameter
+        return (state["pd_read"], loss)  # every replica's copy of every parameter
 
-    def run_variables() -> None:
-        block(strategy.run(variables_step, (x_pr, y_pr)))
+    def run_variables() -> Any:
+        return strategy.run(variables_step, (x_pr, y_pr))
 
-    def run_hand() -> None:
+    def run_hand() -> Any:
         state["hand"], loss = hand(state["hand"], x_global, y_global)
-        block((state["hand"], loss))
+        return (state["hand"], loss)
 
-    def run_hand_recompiled() -> None:
+    def run_hand_recompiled() -> Any:
         state["hand2"], loss = hand2(state["hand2"], x_global, y_global)
-        block((state["hand2"], loss))
+        return (state["hand2"], loss)
 
-    def run_params_new_batch() -> None:
+    def run_params_new_batch() -> Any:
         state["k"] = k = (state["k"] + 1) % NEW_BATCHES
         x, y = new_pr[k]
         state["pd_new"], loss = batches_strategy.run(polydist_params_step, (state["pd_new"], x, y))
-        block(loss)
+        return loss
 
-    def run_hand_new_batch() -> None:
+    def run_hand_new_batch() -> Any:
         state["k_hand"] = k = (state["k_hand"] + 1) % NEW_BATCHES
         state["hand_new"], loss = hand(state["hand_new"], new_x[k], new_y[k])
-        block((state["hand_new"], loss))
+        return (state["hand_new"], loss)
 
-    fns: dict[str, Callable[[], None]] = {
+    fns: dict[str, Callable[[], Any]] = {
         "hand": run_hand,
         "polydist_params": run_params,
         "polydist_params_read_all": run_params_read,
@@ -326,26 +337,27 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     }
     # Measured apart (their own interleaved rounds), so that the rows above keep the
     # context of earlier runs: on one GPU, more loops interleaved moved them by 0.1.
-    batch_fns: dict[str, Callable[[], None]] = {
+    batch_fns: dict[str, Callable[[], Any]] = {
         "hand_new_batch": run_hand_new_batch,
         "polydist_params_new_batch": run_params_new_batch,
     }
     start = time.perf_counter()
-    run_params()
-    run_params_read()  # (its own strategy: its own first compile)
-    run_variables()
-    run_params_new_batch()
+    block(run_params())
+    block(run_params_read())  # (its own strategy: its own first compile)
+    block(run_variables())
+    block(run_params_new_batch())
     first_steps_s = time.perf_counter() - start
     compiles_first = backend.compile_count
     lanes_first = backend.lane_count
-    run_hand()
-    run_hand_recompiled()
-    run_hand_new_batch()
+    block(run_hand())
+    block(run_hand_recompiled())
+    block(run_hand_new_batch())
     fns.update(keras_contestants(devices, init, x_global, y_global))
     for fn in (*fns.values(), *batch_fns.values()):  # warm up (compiles)
-        fn()
-    times = interleaved(fns, rounds)
-    times.update(interleaved(batch_fns, rounds))
+        block(fn())
+    handover: dict[str, list[float]] = {}
+    times = interleaved(fns, rounds, handover)
+    times.update(interleaved(batch_fns, rounds, handover))
     recompiles = backend.compile_count - compiles_first
     # On one device each idiom without variables gets a lane at its third call: one
     # more compile of its program, none after (counted apart from retraces).
@@ -380,7 +392,8 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         extra = f"  ratio {ratios[name]:.3f}" if name in ratios else ""
         print(
             f"{n} x {devices[0].platform}: MLP step  {name:22s} "
-            f"{medians[name] * 1e3:7.2f} ms{extra}"
+            f"{medians[name] * 1e3:7.2f} ms{extra}  "
+            f"(handed over in {statistics.median(handover[name]) * 1e6:.0f} us)"
         )
     print(
         f"polydist recompiles after the first step: {recompiles} "
@@ -394,6 +407,9 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     }
     return {
         "median_s": medians,
+        # Until the call returned, before waiting for its results: the host's work to
+        # hand the step over (on a GPU the launches are part of it).
+        "handover_median_s": {name: statistics.median(t) for name, t in handover.items()},
         "ratio_to_hand_written": ratios,
         "ratio_to_keras": versus_keras,
         "ratio_definition": "median over rounds of (contestant step / hand-written step), "
@@ -436,13 +452,13 @@ def trivial(devices: list[Any], repeats: int) -> dict[str, float]:
     raw = jax.jit(
         jax.shard_map(lambda x: psum(x * 2, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
     )
-    fns = {
-        "polydist": lambda: block(strategy.run(step, (per_replica,))),
-        "hand": lambda: block(raw(small)),
+    fns: dict[str, Callable[[], Any]] = {
+        "polydist": lambda: strategy.run(step, (per_replica,)),
+        "hand": lambda: raw(small),
     }
     for _ in range(5):
         for fn in fns.values():
-            fn()
+            block(fn())
     times = interleaved(fns, repeats)
     pd_us, raw_us = (statistics.median(times[k]) * 1e6 for k in ("polydist", "hand"))
     ratio = paired_ratio(times["polydist"], times["hand"])
