@@ -10,7 +10,11 @@ The baseline does the same arithmetic by hand in one run: the same per-shard
 forward/backward on each model copy, the gradients summed in replica order,
 the sum copied to every copy, one optimizer step per copy, the losses summed.
 So the ratio measures what polydist adds (threads, rendezvous, bookkeeping),
-not a different algorithm.
+not a different algorithm. With one replica the baseline is the plain loop
+(``zero_grad``, ``backward``, ``step``: the sum of one gradient is itself, so
+nothing is copied, as polydist's one-replica ``all_reduce`` and ``reduce`` copy
+nothing); until 2026-11-27 it copied every gradient twice and the loss to the host
+there too, which put polydist's one-replica rows below 1.
 
 Rows: 1 replica (MirroredStrategy and OneDeviceStrategy; target ratio <= 1.10),
 N virtual CPU replicas (scaling), and CUDA replicas when CUDA is available.
@@ -87,6 +91,17 @@ def shard_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 
 def hand_written_step(setup: Setup) -> torch.Tensor:
+    if len(setup.models) == 1:
+        # One replica: the plain loop a user writes (the sum of one gradient is itself:
+        # nothing to copy; polydist's one-replica all_reduce and reduce copy nothing).
+        (model,), (opt,), (x,), (y,) = setup.models, setup.optimizers, setup.xs, setup.ys
+        model.zero_grad()
+        loss = shard_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        if loss.device.type == "cuda":
+            torch.cuda.synchronize()
+        return loss.detach()
     losses, grads = [], []
     for model, x, y in zip(setup.models, setup.xs, setup.ys):
         model.zero_grad()
