@@ -362,6 +362,24 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
     # On one device each idiom without variables gets a lane at its third call: one
     # more compile of its program, none after (counted apart from retraces).
     lanes = backend.lane_count - lanes_first
+    # Per contestant: its program's first compile (traced, compiled, first run) and
+    # whether a lane runs its steps (the lane's rule: docs/backends/jax.md).
+    programs: dict[str, dict[str, Any]] = {}
+    owners: list[tuple[str, pd.Strategy, Callable[..., Any]]] = [
+        ("polydist_params", params_strategy, polydist_params_step),
+        ("polydist_params_read_all", read_strategy, polydist_params_step),
+        ("polydist_params_new_batch", batches_strategy, polydist_params_step),
+        ("polydist_variables", strategy, variables_step),
+    ]
+    for name, own, step_fn in owners:
+        plans: Any = backend._compiled._plans.get(own.extended, {})
+        plan = plans.get(step_fn)
+        if plan is not None:
+            dispatch = plan.dispatch
+            programs[name] = {
+                "compile_seconds": plan.program.compile_seconds,
+                "lane": dispatch is not None and dispatch.lane is not None,
+            }
 
     # polydist computed the same steps from the same start as the hand-written code.
     steps = rounds + 1 + 1  # the first step, the warm-up, the timed rounds
@@ -395,6 +413,8 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
             f"{medians[name] * 1e3:7.2f} ms{extra}  "
             f"(handed over in {statistics.median(handover[name]) * 1e6:.0f} us)"
         )
+    for name, about in programs.items():
+        print(f"  {name}: first compile {about['compile_seconds']:.2f} s, lane {about['lane']}")
     print(
         f"polydist recompiles after the first step: {recompiles} "
         f"(and {lanes} lane(s): one more compile of a program each, on one device)"
@@ -418,6 +438,7 @@ def mlp(devices: list[Any], rounds: int) -> dict[str, Any]:
         "compiles_first_steps": compiles_first,
         "recompiles_after_first_step": recompiles,
         "lanes_after_first_step": lanes,
+        "programs": programs,
         "rounds": rounds,
         "keras": _keras_version(),
     }

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import polydist as pd
+from polydist.backend import NOT_HANDLED
 from polydist.backend.tracing import storage_arrays
 from polydist_jax import JaxBackend, _functional, _input, _spmd, replicate
 
@@ -1194,6 +1195,8 @@ def sgd_step(params: list[Any], x: Any) -> Any:
 
 
 def count_lane_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What each call through a lane gave: by the replay's `_call_lane`, or by core's
+    prepared call (``prepare_direct``), `_MISSED` where it declined."""
     results: list[Any] = []
     call = _spmd._call_lane
 
@@ -1201,7 +1204,22 @@ def count_lane_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         results.append(out := call(*args))
         return out
 
+    prepare = _spmd.CompiledRunner.prepare_direct
+
+    def spy_prepare(self: Any, *args: Any) -> Any:
+        prepared = prepare(self, *args)
+        if prepared is None:
+            return None
+
+        def counted(call_args: tuple[Any, ...]) -> Any:
+            out = prepared(call_args)
+            results.append(_spmd._MISSED if out is NOT_HANDLED else out)
+            return out
+
+        return counted
+
     monkeypatch.setattr(_spmd, "_call_lane", spy)
+    monkeypatch.setattr(_spmd.CompiledRunner, "prepare_direct", spy_prepare)
     return results
 
 
@@ -1396,3 +1414,136 @@ def test_a_pytree_of_parameters_and_optimizer_state_takes_the_lane(
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert sorted(params) == ["dense"] and sorted(params["dense"]) == ["b", "w"]
+
+
+# -- core's prepared call (`prepare_direct`) ------------------------------------------------
+
+
+class StepOut(NamedTuple):
+    params: list[Any]
+    loss: Any
+
+
+def prepared_of(strategy: pd.Strategy) -> dict[Any, Any]:
+    execution = strategy.extended._run_execution_cache
+    assert execution is not None
+    return execution.prepared
+
+
+@pytest.mark.parametrize("result", ["tuple", "namedtuple", "dict in key order", "dict unsorted"])
+def test_a_prepared_call_gives_what_the_replay_gives(
+    result: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def step(params: list[Any], x: Any) -> Any:
+        new, loss = sgd_step(params, x)
+        if result == "namedtuple":
+            return StepOut(new, loss)
+        if result == "dict in key order":
+            return {"loss": loss, "params": new}
+        if result == "dict unsorted":  # JAX would sort the keys: the lane returns leaves
+            return {"params": new, "loss": loss}
+        return new, loss
+
+    def train(strategy: pd.Strategy) -> list[Any]:
+        params = [jnp.full((3, 2), 0.5, jnp.float32), jnp.zeros(2, jnp.float32)]
+        x = pd.PerReplica((jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3),))
+        outs = []
+        for _ in range(7):
+            out = strategy.run(step, (params, x))
+            params = out["params"] if "dict" in result else out[0]
+            outs.append(out)
+        return outs
+
+    monkeypatch.setattr(_spmd, "LANE_COMPILE_SECONDS", 0.0)
+    want = train(make(1)[0])  # the replay alone
+    monkeypatch.undo()
+    lane_calls = count_lane_calls(monkeypatch)
+    strategy, backend = make(1)
+    got = train(strategy)
+    assert step in prepared_of(strategy)
+    # Calls 4 to 7 through the prepared call (the lane comes at call 3).
+    assert len(lane_calls) == 4 and all(r is not _spmd._MISSED for r in lane_calls)
+    path = backend._compiled._plans[strategy.extended][step].dispatch.lane_path
+    assert (path is None) is (result == "dict unsorted")
+    for g, w in zip(got, want, strict=True):
+        assert type(g) is type(w)
+        if isinstance(w, dict):
+            assert list(g) == list(w)
+        g_leaves, w_leaves = jax.tree.leaves(g), jax.tree.leaves(w)
+        assert len(g_leaves) == len(w_leaves) == 3
+        for a, b in zip(g_leaves, w_leaves, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert backend.compile_count == 1 and backend.lane_count == 1
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_when_fns_closure_changes_the_call_is_the_plans(
+    prepared: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The prepared call declines, and the call is what it is without one (the plan's
+    # checks, then the program cache: closed-over arrays are the trace's, as in jax.jit).
+    lane_calls = count_lane_calls(monkeypatch)
+    if not prepared:
+        monkeypatch.setattr(_spmd.CompiledRunner, "prepare_direct", lambda *a: None)
+    strategy, backend = make(1)
+    scale = jnp.float32(2.0)
+
+    def step(a: Any) -> Any:
+        return a * scale
+
+    a = jnp.ones(2, jnp.float32)
+    for _ in range(5):
+        assert np.asarray(strategy.run(step, (a,))).tolist() == [2.0, 2.0]
+    assert (step in prepared_of(strategy)) is prepared
+    calls = len(lane_calls)
+    scale = jnp.float32(3.0)
+    out = np.asarray(strategy.run(step, (a,))).tolist()
+    assert out == [2.0, 2.0] and backend.compile_count == 1
+    # No lane ran it (each path declined first: the plan was made again).
+    assert all(r is _spmd._MISSED for r in lane_calls[calls:])
+    assert step not in prepared_of(strategy)
+
+
+def test_a_prepared_call_declines_when_x64_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    strategy, _ = make(1)
+    for k in range(5):
+        assert float(strategy.run(triple, (jnp.float32(k),))) == 3.0 * k
+    assert triple in prepared_of(strategy)
+    with jax.enable_x64(True):  # type: ignore[no-untyped-call]
+        out = strategy.run(triple, (np.float64(1.5),))
+        assert out.dtype == jnp.float64 and float(out) == 4.5
+    assert triple not in prepared_of(strategy)
+
+
+def test_run_inside_a_replica_function_is_still_refused() -> None:
+    strategy, _ = make(1)
+    for k in range(5):
+        strategy.run(triple, (jnp.float32(k),))
+    assert triple in prepared_of(strategy)
+
+    def nested(a: Any) -> Any:
+        return strategy.run(triple, (a,))
+
+    with pytest.raises(RuntimeError, match="replica context"):
+        strategy.run(nested, (jnp.float32(1.0),))
+    other, _ = make(1)
+    with other.scope(), pytest.raises(RuntimeError, match="Mixing different"):
+        strategy.run(triple, (jnp.float32(1.0),))
+
+
+def test_on_an_accelerator_a_slower_first_compile_still_gets_a_lane() -> None:
+    # A GPU's or TPU's first compile autotunes, which the lane's compile finds cached.
+    class Device:
+        def __init__(self, platform: str) -> None:
+            self.platform = platform
+
+    class Sharding:
+        def __init__(self, platform: str) -> None:
+            self.device_set = {Device(platform)}
+
+    cases = {"cpu": 1.0, "gpu": _spmd.LANE_ACCELERATOR_FACTOR, "tpu": 5.0}
+    for platform, factor in cases.items():
+        fake = type("P", (), {"single": Sharding(platform)})()
+        assert _spmd._lane_factor(fake) == factor
+    assert _spmd._lane_factor(type("P", (), {"single": None})()) == 1.0
+    assert _spmd.LANE_COMPILE_SECONDS * _spmd.LANE_ACCELERATOR_FACTOR == 10.0

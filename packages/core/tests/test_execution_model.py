@@ -22,6 +22,7 @@ from polydist.backend import (
     ReplicaGroup,
     SupportsCompiledRun,
     SupportsDirectRun,
+    SupportsPreparedRun,
     SupportsReplicaRunner,
     features,
     replica_group,
@@ -207,6 +208,98 @@ def test_core_checks_divergence_after_a_direct_run() -> None:
     with pytest.warns(pd.ReplicaDivergenceWarning, match="now holds different values"):
         assert strategy.run(lambda: None) is None
     assert backend.received == []  # answered directly; core's after-run check warned
+
+
+class Prepared(Direct):
+    """A direct run that also prepares calls: ``prepare_direct`` answers from
+    ``ready`` (None while absent); each prepared call records its arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready: dict[Any, Any] = {}
+        self.asked: list[Any] = []
+        self.prepared_calls: list[tuple[Any, ...]] = []
+
+    def prepare_direct(self, group: ReplicaGroup, fn: Callable[..., Any]) -> Any:
+        self.asked.append(fn)
+        answer = self.ready.get(fn)
+        if answer is None:
+            return None
+
+        def call(args: tuple[Any, ...]) -> Any:
+            self.prepared_calls.append(args)
+            return answer(*args)
+
+        return call
+
+
+def test_a_prepared_call_is_asked_for_after_a_direct_answer_and_then_taken_first() -> None:
+    backend = Prepared()
+    assert isinstance(backend, SupportsPreparedRun) and features(backend).prepared_run
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    fn = _sum_of_ids
+    strategy.run(fn)  # core's usual path: not asked
+    assert backend.asked == []
+    backend.answered[fn] = "direct"
+    assert strategy.run(fn) == "direct"
+    assert backend.asked == [fn]  # asked after the direct answer; none yet
+    backend.ready[fn] = lambda *a: ("prepared", a)
+    assert strategy.run(fn) == "direct"  # asked again: ready from now on
+    assert backend.asked == [fn, fn]
+    direct_calls = len(backend.direct)
+    assert strategy.run(fn, (1, 2)) == ("prepared", (1, 2))
+    assert strategy.run(fn, [3]) == "direct"  # a list of arguments: the usual path
+    with strategy.scope():  # directly in its own scope: taken
+        assert strategy.run(fn, (4,)) == ("prepared", (4,))
+    assert backend.prepared_calls == [(1, 2), (4,)]
+    assert len(backend.direct) == direct_calls + 1 and backend.asked == [fn, fn]
+    # Keyword arguments, a collective trace, another strategy's scope: never prepared.
+    assert strategy.run(fn, (5,), {"k": 1}) == "direct"
+    with pd.trace():
+        out = strategy.run(fn)
+    assert [int(v) for v in strategy.experimental_local_results(out)] == [1, 1]
+    other = pd.MirroredStrategy(2, backend=backend)
+    with other.scope(), pytest.raises(RuntimeError, match="Mixing different"):
+        strategy.run(fn, (6,))
+    assert backend.prepared_calls == [(1, 2), (4,)]
+
+
+def test_a_prepared_call_that_declines_is_forgotten() -> None:
+    backend = Prepared()
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    fn = _sum_of_ids
+    backend.answered[fn] = "direct"
+    backend.ready[fn] = lambda *a: NOT_HANDLED
+    assert strategy.run(fn) == "direct"  # asked: prepared
+    assert strategy.run(fn, (1,)) == "direct"  # it declined: the direct answer, asked again
+    assert backend.prepared_calls == [(1,)] and backend.asked == [fn, fn]
+
+
+def test_core_asks_a_few_times_only() -> None:
+    backend = Prepared()
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    fn = _sum_of_ids
+    backend.answered[fn] = "direct"
+    for _ in range(10):
+        assert strategy.run(fn) == "direct"
+    assert backend.asked == [fn] * 4
+
+
+def test_inside_a_replica_context_a_prepared_call_is_not_taken() -> None:
+    backend = Prepared()
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    fn = _sum_of_ids
+    backend.answered[fn] = "direct"
+    backend.ready[fn] = lambda *a: "prepared"
+    strategy.run(fn)
+    assert strategy.run(fn, ()) == "prepared"
+
+    def nested() -> Any:
+        return strategy.run(fn, ())
+
+    backend.answered.pop(fn)  # (the outer call runs its replicas)
+    with pytest.raises(RuntimeError, match="replica context"):
+        strategy.run(nested)
 
 
 def test_a_multi_worker_group_is_a_cache_key() -> None:

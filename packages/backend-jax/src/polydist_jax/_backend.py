@@ -273,6 +273,16 @@ class JaxBackend:
             return NOT_HANDLED
         return self._compiled.run_direct(group, fn, args, kwargs)
 
+    def prepare_direct(
+        self, group: ReplicaGroup, fn: Callable[..., Any]
+    ) -> Callable[[tuple[Any, ...]], Any] | None:
+        """Core's prepared call (``polydist.backend.SupportsPreparedRun``): on one device,
+        a call of ``fn``'s compiled program through its lane
+        (``CompiledRunner.prepare_direct``); None otherwise."""
+        if not self.jit:
+            return None
+        return self._compiled.prepare_direct(group, fn, self)
+
     def _eager_channel(self, inner: Any, replica_index: int) -> DifferentiableChannel:
         return DifferentiableChannel(inner, replica_index, self._moved)
 

@@ -114,6 +114,11 @@ DONATE_CPU_MIN_BYTES = 16 * 2**20
 #: for programs whose first compile took less than this: a step that compiles longer
 #: runs long enough for the host's per-call work not to matter.
 LANE_COMPILE_SECONDS = 2.0
+#: On a GPU or TPU, that many times as long: there a first compile autotunes (XLA's
+#: GEMM and fusion autotuning, 2-3 s for a 512-wide MLP on an H200, where the process's
+#: first compile was the one without a lane), and the lane's compile of the same
+#: computation finds those results in XLA's cache.
+LANE_ACCELERATOR_FACTOR = 5.0
 _LANE_BUILDS = 2  # per program: a lane dropped (arguments it does not take) is made again once
 
 _REPLICA, _SHARED, _STATIC, _VARIABLE = "replica", "shared", "static", "variable"
@@ -676,6 +681,9 @@ class _Dispatch:
     # runs the program (`_make_lane`); ``lane_off`` once it declined a call.
     lane: Any = None
     lane_off: bool = False
+    # The lane returns fn's result itself (jit unflattens it, in C++), whose first leaf
+    # is at this path of indices and keys; None: it returns the leaves (`_lane_path`).
+    lane_path: tuple[Any, ...] | None = None
 
 
 class _LaneMiss(Exception):
@@ -1154,6 +1162,71 @@ class CompiledRunner:
         return self._results(program, columns, split, replicated, mesh, traced, variables)
 
     # -- the direct path ----------------------------------------------------------------
+    def prepare_direct(
+        self, replicas: ReplicaGroup, fn: Callable[..., Any], owner: Any
+    ) -> Callable[[tuple[Any, ...]], Any] | None:
+        """Core's prepared call of ``fn`` (``polydist.backend.SupportsPreparedRun``): when
+        its plan has a lane (`_make_lane`), a callable of the arguments that checks what
+        `run_direct` checks of that plan and calls the lane; None otherwise. It runs no
+        Python code of the user's (the lane is the compiled program, or, traced again
+        for other shapes, its jaxpr), so core calls it before entering any mode.
+        ``owner`` is the backend: its ``jit`` switched off declines."""
+        strategy = replicas.strategy
+        if self._group is not None or strategy is None:
+            return None
+        plans = self._plans.get(strategy.extended)
+        plan = plans.get(fn) if plans is not None else None
+        dispatch = plan.dispatch if plan is not None else None
+        if plans is None or plan is None or dispatch is None or dispatch.lane is None:
+            return None
+        if not plan.direct:
+            return None
+        if replicas.devices is not dispatch.devices and replicas.devices != dispatch.devices:
+            return None
+        lane, program, state, version = dispatch.lane, plan.program, plan.state, plan.version
+        x64, closure, divergence = plan.x64, plan.closure, self._divergence
+        path = dispatch.lane_path
+        if dispatch.leaf or path is None or len(path) > 2:
+            # (the general case: `_lane_result`)
+            path = None
+        depth = 0 if path is None else len(path)
+        first_key = path[0] if path else None
+        second_key = path[1] if path and depth == 2 else None
+        tracer = jax.core.Tracer
+
+        def call(args: tuple[Any, ...]) -> Any:
+            if (
+                dispatch.lane is not lane
+                or plan.dispatch is not dispatch
+                or plans.get(fn) is not plan
+                or program.created
+                or state.version != version
+                or not owner.jit
+                or x64_enabled() != x64
+                or (closure and not _closure_unchanged(plan))
+            ):
+                return NOT_HANDLED
+            if divergence._queue:  # other programs' checks (`poll`), as `run_direct`
+                divergence.poll()
+            try:
+                out = lane(*args)
+            except Exception:  # arguments it does not take: `run_direct` replays the call
+                dispatch.lane, dispatch.lane_off = None, True
+                return NOT_HANDLED
+            if depth == 0:
+                result = _lane_result(plan, dispatch, out)
+                return NOT_HANDLED if result is _MISSED else result
+            # The result as jit built it: its first leaf says whether an outer trace
+            # made tracers of it (the replay's own path then, as `_lane_result`).
+            first = out[first_key] if depth == 1 else out[first_key][second_key]
+            if isinstance(first, tracer):
+                dispatch.lane, dispatch.lane_off = None, True
+                return NOT_HANDLED
+            program.calls += 1
+            return out
+
+        return call
+
     def run_direct(
         self,
         replicas: ReplicaGroup,
@@ -2637,7 +2710,7 @@ def _make_lane(plan: _Plan, dispatch: _Dispatch) -> None:
     if (
         run is None
         or seconds is None
-        or seconds >= LANE_COMPILE_SECONDS
+        or seconds >= LANE_COMPILE_SECONDS * _lane_factor(program)
         or program.lanes >= _LANE_BUILDS
         or plan.variables
         or program.kept is not None
@@ -2650,8 +2723,10 @@ def _make_lane(plan: _Plan, dispatch: _Dispatch) -> None:
     spec, kinds, avals = dispatch.spec, list(dispatch.kinds), list(dispatch.avals)
     slots = [slot for slot in plan.slots if slot is not None]
     picks, n_inputs = list(dispatch.picks), len(plan.inputs)
+    out_spec, one = program.out_spec, dispatch.leaf
+    path = None if one else _lane_path(out_spec, len(picks))
 
-    def lane(*args: Any) -> list[Any]:
+    def lane(*args: Any) -> Any:
         leaves, got = _nest.flatten((args, {}))
         if got != spec:
             raise _LaneMiss("another structure")
@@ -2665,9 +2740,13 @@ def _make_lane(plan: _Plan, dispatch: _Dispatch) -> None:
                 raise _LaneMiss("another kind, shape, dtype or weak type")
             inputs[slots[i]] = x
         outputs = run(*inputs)
-        return [outputs[j] for j in picks]
+        leaves = [outputs[j] for j in picks]
+        if one:
+            return leaves[0]
+        return leaves if path is None else _nest.unflatten(out_spec, leaves)
 
     program.lanes += 1
+    dispatch.lane_path = path
     dispatch.lane = jax.jit(lane, in_shardings=program.single, out_shardings=program.single)
     # The lane's calls leave the plan's inputs alone: it holds none of the arrays (a
     # replay later finds its leaves again, `_direct_inputs`; `run`, `_reuse`).
@@ -2688,16 +2767,74 @@ def _call_lane(
     if devices is not dispatch.devices and devices != dispatch.devices:
         return _MISSED
     try:
-        leaves = dispatch.lane(*args)
+        out = dispatch.lane(*args)
     except Exception:  # arguments it does not take (a structure, an array on another device)
         dispatch.lane, dispatch.lane_off = None, True
         return _MISSED
-    if is_tracer(leaves[0]):  # inside an outer transformation: the replay's own path
+    return _lane_result(plan, dispatch, out)
+
+
+def _lane_result(plan: _Plan, dispatch: _Dispatch, out: Any) -> Any:
+    """fn's result from what its lane returned, or `_MISSED` (the lane dropped) inside
+    an outer transformation (the replay's own path)."""
+    path = dispatch.lane_path
+    if dispatch.leaf:
+        first = out
+    elif path is None:
+        first = out[0]
+    else:
+        first = out
+        for key in path:
+            first = first[key]
+    if is_tracer(first):
         dispatch.lane, dispatch.lane_off = None, True
         return _MISSED
     program = plan.program
     program.calls += 1
-    return leaves[0] if dispatch.leaf else _nest.unflatten(program.out_spec, leaves)
+    if dispatch.leaf or path is not None:
+        return out
+    return _nest.unflatten(program.out_spec, out)
+
+
+def _lane_factor(program: _Program) -> float:
+    """`LANE_ACCELERATOR_FACTOR` for a program on a GPU or TPU, else 1."""
+    single = program.single
+    if single is None:
+        return 1.0
+    platforms = {getattr(d, "platform", None) for d in single.device_set}
+    return 1.0 if platforms == {"cpu"} else LANE_ACCELERATOR_FACTOR
+
+
+def _lane_path(out_spec: Any, count: int) -> tuple[Any, ...] | None:
+    """Where the first leaf of fn's result is (indices, keys), when JAX's pytrees hold
+    the result as core's nest does: the same leaves in the same order, and unflattened
+    by JAX the same types in the same order (dict keys included). The lane then returns
+    the result itself, and jit's C++ builds it. None: the lane returns the leaves."""
+    marks = list(range(count))
+    try:
+        ours = _nest.unflatten(out_spec, marks)
+        leaves, treedef = jax.tree_util.tree_flatten(ours)
+        if leaves != marks or repr(jax.tree_util.tree_unflatten(treedef, marks)) != repr(ours):
+            return None
+    except Exception:  # a node JAX does not take as core does
+        return None
+    path: list[Any] = []
+    node: Any = ours
+    while type(node) is not int:
+        if isinstance(node, dict):
+            items: list[tuple[Any, Any]] = list(node.items())
+        elif isinstance(node, (list, tuple)):
+            items = list(enumerate(node))
+        else:
+            return None  # (a registered node: no indexing to reach its leaves)
+        for key, child in items:
+            if jax.tree_util.tree_leaves(child)[:1] == [0]:
+                path.append(key)
+                node = child
+                break
+        else:
+            return None
+    return tuple(path)
 
 
 def _direct_replica(values: tuple[Any, ...], aval: Any, mesh: _Mesh) -> Any:

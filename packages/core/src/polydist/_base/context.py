@@ -163,6 +163,16 @@ def push_cross_replica_mode(strategy: Strategy) -> contextvars.Token[tuple[_Mode
     return _stack.set((*_stack.get(), _Mode(strategy, None, strategy)))
 
 
+def directly_in_scope_or_default(strategy: Strategy) -> bool:
+    """Whether ``strategy.run`` may leave its modes alone (a prepared call): the default
+    context, or ``strategy``'s own cross-replica context on top (its scope)."""
+    stack = _stack.get()
+    if not stack:
+        return True
+    top = stack[-1]
+    return top.strategy is strategy and top.replica_context is None
+
+
 def leave_mode(token: contextvars.Token[tuple[_Mode, ...]]) -> None:
     """Restores the modes as they were before the push that returned ``token``."""
     _stack.reset(token)

@@ -15,6 +15,9 @@ from polydist._base.context import _Mode as _Mode
 from polydist._base.context import current_mode as current_mode
 from polydist._base.context import current_replica as current_replica
 from polydist._base.context import current_replica_index as current_replica_index
+from polydist._base.context import (
+    directly_in_scope_or_default as directly_in_scope_or_default,
+)
 from polydist._base.context import experimental_set_strategy as experimental_set_strategy
 from polydist._base.context import has_strategy as has_strategy
 from polydist._base.context import in_cross_replica_context as in_cross_replica_context

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
         ReplicaGroup,
         SupportsCompiledRun,
         SupportsDirectRun,
+        SupportsPreparedRun,
         SupportsReplicaRunner,
     )
 
@@ -578,7 +579,7 @@ class ReplicaExecution:
     read once, here, and each run reads its execution model (a backend may switch it,
     e.g. ``JaxProcessBackend.set_jit``)."""
 
-    __slots__ = ("_compiles", "_supplies_runner", "direct", "group")
+    __slots__ = ("_compiles", "_supplies_runner", "asked", "direct", "group", "prepare", "prepared")
 
     def __init__(self, group: ReplicaGroup) -> None:
         self.group = group
@@ -589,6 +590,15 @@ class ReplicaExecution:
         self.direct: Callable[..., Any] | None = (
             cast("SupportsDirectRun", group.backend).run_direct if found.direct_run else None
         )
+        #: Its prepared calls (`SupportsPreparedRun`): per replica function, what
+        #: ``strategy.run`` calls first; and how often each was asked for in vain.
+        self.prepare: Callable[..., Any] | None = (
+            cast("SupportsPreparedRun", group.backend).prepare_direct
+            if found.prepared_run and found.direct_run
+            else None
+        )
+        self.prepared: dict[Any, Callable[[tuple[Any, ...]], Any]] = {}
+        self.asked: dict[Any, int] = {}
 
     def run(
         self,

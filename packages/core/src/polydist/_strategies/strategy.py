@@ -164,6 +164,8 @@ class StrategyExtended(ExtendedVariablesMixin):
             result = execution.direct(execution.group, fn, args, kwargs)
             if result is not NOT_HANDLED:
                 _variables.after_run(self)
+                if execution.prepare is not None and not kwargs and fn not in execution.prepared:
+                    _prepare(self, execution, fn)
                 return result
         per_replica = _per_replica_args(args, kwargs, len(self._devices))
         if tracing:
@@ -475,6 +477,24 @@ class Strategy:
             )
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"kwargs to Strategy.run must be a dict, got {type(kwargs).__name__}.")
+        execution = self._extended._run_execution_cache
+        if execution is not None and execution.prepared and kwargs is None and type(args) is tuple:
+            # The backend's prepared call of fn (`SupportsPreparedRun`, asked for by
+            # `_prepare`): a step whose host work sets its pace pays only for that call.
+            try:
+                call = execution.prepared.get(fn)
+            except TypeError:  # (an unhashable callable: the usual path says what is wrong)
+                call = None
+            if (
+                call is not None
+                and execution.group.devices is self._extended._devices
+                and _context.directly_in_scope_or_default(self)
+                and not _trace.is_tracing()
+            ):
+                result = call(args)
+                if result is not NOT_HANDLED:
+                    return result
+                del execution.prepared[fn]
         cls = type(self)
         plain = _PLAIN_SCOPE.get(cls)
         if plain is None:
@@ -763,6 +783,45 @@ def _plain_array(value: Any) -> bool:
             and convert_to_array(value) is value
         )
     return plain
+
+
+#: How often core asks a backend for a replica function's prepared call while it has
+#: none (the JAX backend's comes with a plan's lane, at its third call), and how many
+#: functions a strategy keeps one for.
+_PREPARE_ASKS = 4
+_PREPARED_MAX = 64
+
+
+def _prepare(
+    extended: StrategyExtended, execution: _eager.ReplicaExecution, fn: Callable[..., Any]
+) -> None:
+    """Asks the backend for ``fn``'s prepared call (`SupportsPreparedRun`), for
+    strategies whose ``run`` and its parts are the base classes' (their checks are the
+    ones a prepared call stands in for)."""
+    asked = execution.asked.get(fn, 0)
+    if asked >= _PREPARE_ASKS or execution.prepare is None:
+        return
+    strategy = extended._container_strategy()
+    if not (
+        _plain_run_devices(type(extended))
+        and type(extended).call_for_each_replica is StrategyExtended.call_for_each_replica
+        and type(extended)._call_for_each_replica is StrategyExtended._call_for_each_replica
+        and type(strategy).run is Strategy.run
+        and type(strategy)._run_replicas is Strategy._run_replicas
+        and type(strategy).scope is Strategy.scope
+        and type(strategy)._scope_impl is Strategy._scope_impl
+    ):
+        execution.asked[fn] = _PREPARE_ASKS
+        return
+    call = execution.prepare(execution.group, fn)
+    if call is None:
+        if len(execution.asked) >= _PREPARED_MAX:
+            execution.asked.clear()
+        execution.asked[fn] = asked + 1
+        return
+    if len(execution.prepared) >= _PREPARED_MAX:
+        execution.prepared.clear()
+    execution.prepared[fn] = call
 
 
 def _plain_run_devices(cls: type[StrategyExtended]) -> bool:

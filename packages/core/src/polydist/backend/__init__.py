@@ -57,6 +57,7 @@ from polydist.backend._contract import SupportsHostArrayCopies as SupportsHostAr
 from polydist.backend._contract import SupportsLocalTPUSystem as SupportsLocalTPUSystem
 from polydist.backend._contract import SupportsPlacePerReplica as SupportsPlacePerReplica
 from polydist.backend._contract import SupportsPlaceVariable as SupportsPlaceVariable
+from polydist.backend._contract import SupportsPreparedRun as SupportsPreparedRun
 from polydist.backend._contract import SupportsReductionOrder as SupportsReductionOrder
 from polydist.backend._contract import SupportsReplicaRunner as SupportsReplicaRunner
 from polydist.backend._contract import SupportsSimulatedDevices as SupportsSimulatedDevices
@@ -104,6 +105,7 @@ __all__ = [
     "ReplicaGroup",
     "SupportsCompiledRun",
     "SupportsDirectRun",
+    "SupportsPreparedRun",
     "ReplicaRunner",
     "SupportsReplicaRunner",
     "SupportsWorkerProcesses",

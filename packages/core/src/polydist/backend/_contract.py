@@ -426,6 +426,7 @@ class Features:
     place_variable: bool = False
     compiled_run: bool = False
     direct_run: bool = False
+    prepared_run: bool = False
     replica_runner: bool = False
 
     @staticmethod
@@ -448,6 +449,7 @@ class Features:
             place_variable=isinstance(backend, SupportsPlaceVariable),
             compiled_run=isinstance(backend, SupportsCompiledRun),
             direct_run=isinstance(backend, SupportsDirectRun),
+            prepared_run=isinstance(backend, SupportsPreparedRun),
             replica_runner=isinstance(backend, SupportsReplicaRunner),
         )
 
@@ -582,6 +584,29 @@ class SupportsDirectRun(Protocol):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any: ...
+
+
+@runtime_checkable
+class SupportsPreparedRun(Protocol):
+    """A compiled backend's prepared call of one replica function (beside
+    `SupportsDirectRun`), for the steps whose host work is the step's pace.
+
+    After ``run_direct`` answered a call ``strategy.run(fn, args)`` (positional
+    arguments only), core asks ``prepare_direct(group, fn)`` (a few times at most,
+    while it answers None) for a callable ``call(args)``. Core keeps it for the
+    strategy's run and, at the start of later ``strategy.run(fn, args)`` calls with
+    ``args`` a tuple and no ``kwargs``, in the default context or directly in the
+    strategy's own scope, outside a collective trace, calls it first and nothing
+    else: it enters no mode and runs no after-run check. So the call must run no
+    Python code of the user's nor anything that reads the current strategy, and only
+    plans without variables qualify. ``call`` returns the regrouped result, or
+    `NOT_HANDLED`: core then forgets it and takes its usual path (``run_direct``
+    first).
+    """
+
+    def prepare_direct(
+        self, group: ReplicaGroup, fn: Callable[..., Any]
+    ) -> Callable[[tuple[Any, ...]], Any] | None: ...
 
 
 class ReplicaRunner(Protocol):
