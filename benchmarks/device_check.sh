@@ -70,7 +70,10 @@ cp benchmarks/results/*-gpu.json benchmarks/results/*-cuda.json \
     for f in "$LOGS"/*.log; do
         echo "=== $(basename "$f")"
         grep -E "^(FAILED|ERROR)" "$f" | head -40
-        tail -n 4 "$f"
+        case "$f" in  # a benchmark's every row (each program's compile and lane too)
+            */bench-*) tail -n 20 "$f" ;;
+            *) tail -n 4 "$f" ;;
+        esac
     done
 } >"$OUT/summary.txt" 2>&1
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
