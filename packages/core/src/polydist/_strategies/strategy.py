@@ -494,7 +494,7 @@ class Strategy:
                 result = call(args)
                 if result is not NOT_HANDLED:
                     return result
-                del execution.prepared[fn]
+                execution.prepared.pop(fn, None)  # (another thread may have dropped it)
         cls = type(self)
         plain = _PLAIN_SCOPE.get(cls)
         if plain is None:
