@@ -285,6 +285,24 @@ def test_core_asks_a_few_times_only() -> None:
     assert backend.asked == [fn] * 4
 
 
+def test_a_strategy_with_its_own_run_gets_no_prepared_call() -> None:
+    # Its own checks are what a prepared call would skip: core never asks.
+    class Logged(pd.MirroredStrategy):
+        calls = 0
+
+        def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
+            Logged.calls += 1
+            return super().run(fn, args, kwargs, options)
+
+    backend = Prepared()
+    strategy = Logged(2, backend=backend)
+    fn = _sum_of_ids
+    backend.answered[fn] = "direct"
+    backend.ready[fn] = lambda *a: "prepared"
+    assert [strategy.run(fn) for _ in range(3)] == ["direct"] * 3
+    assert backend.asked == [] and backend.prepared_calls == [] and Logged.calls == 3
+
+
 def test_inside_a_replica_context_a_prepared_call_is_not_taken() -> None:
     backend = Prepared()
     strategy = pd.MirroredStrategy(2, backend=backend)

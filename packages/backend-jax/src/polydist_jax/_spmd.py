@@ -1183,47 +1183,21 @@ class CompiledRunner:
             return None
         if replicas.devices is not dispatch.devices and replicas.devices != dispatch.devices:
             return None
-        lane, program, state, version = dispatch.lane, plan.program, plan.state, plan.version
-        x64, closure, divergence = plan.x64, plan.closure, self._divergence
-        path = dispatch.lane_path
-        if dispatch.leaf or path is None or len(path) > 2:
-            # (the general case: `_lane_result`)
-            path = None
-        depth = 0 if path is None else len(path)
-        first_key = path[0] if path else None
-        second_key = path[1] if path and depth == 2 else None
-        tracer = jax.core.Tracer
+        lane, devices, divergence = dispatch.lane, dispatch.devices, self._divergence
 
         def call(args: tuple[Any, ...]) -> Any:
             if (
                 dispatch.lane is not lane
                 or plan.dispatch is not dispatch
                 or plans.get(fn) is not plan
-                or program.created
-                or state.version != version
                 or not owner.jit
-                or x64_enabled() != x64
-                or (closure and not _closure_unchanged(plan))
+                or not _plan_holds(plan)
             ):
                 return NOT_HANDLED
             if divergence._queue:  # other programs' checks (`poll`), as `run_direct`
                 divergence.poll()
-            try:
-                out = lane(*args)
-            except Exception:  # arguments it does not take: `run_direct` replays the call
-                dispatch.lane, dispatch.lane_off = None, True
-                return NOT_HANDLED
-            if depth == 0:
-                result = _lane_result(plan, dispatch, out)
-                return NOT_HANDLED if result is _MISSED else result
-            # The result as jit built it: its first leaf says whether an outer trace
-            # made tracers of it (the replay's own path then, as `_lane_result`).
-            first = out[first_key] if depth == 1 else out[first_key][second_key]
-            if isinstance(first, tracer):
-                dispatch.lane, dispatch.lane_off = None, True
-                return NOT_HANDLED
-            program.calls += 1
-            return out
+            result = _call_lane(plan, dispatch, devices, args)
+            return NOT_HANDLED if result is _MISSED else result
 
         return call
 
@@ -1268,14 +1242,9 @@ class CompiledRunner:
         if plan is None or not plan.direct:
             return NOT_HANDLED
         program = plan.program
-        if (
-            (program.local is None if group is None else program.executable is None)
-            or program.created
-            or plan.state.version != plan.version
-            or plan.x64 != x64_enabled()
+        if (program.local is None if group is None else program.executable is None) or not (
+            _plan_holds(plan)
         ):
-            return NOT_HANDLED
-        if plan.closure and not _closure_unchanged(plan):
             return NOT_HANDLED
         dispatch = plan.dispatch
         if dispatch is not None and dispatch.lane is not None and not kwargs:
@@ -2635,6 +2604,18 @@ def _same_result(expected: Any, got: Any) -> bool:
     return True
 
 
+def _plan_holds(plan: _Plan) -> bool:
+    """Whether what ``plan`` was made under still holds: its program made no variable,
+    none was tracked or gone since, the same x64 mode, fn's closure holding the same
+    objects (the direct path's and the prepared call's checks)."""
+    return (
+        not plan.program.created
+        and plan.state.version == plan.version
+        and plan.x64 == x64_enabled()
+        and (not plan.closure or _closure_unchanged(plan))
+    )
+
+
 def _closure_unchanged(plan: _Plan) -> bool:
     """Whether each cell of fn's closure still holds what the plan was traced with."""
     for cell, held in zip(plan.closure, plan.contents, strict=True):
@@ -2771,12 +2752,8 @@ def _call_lane(
     except Exception:  # arguments it does not take (a structure, an array on another device)
         dispatch.lane, dispatch.lane_off = None, True
         return _MISSED
-    return _lane_result(plan, dispatch, out)
-
-
-def _lane_result(plan: _Plan, dispatch: _Dispatch, out: Any) -> Any:
-    """fn's result from what its lane returned, or `_MISSED` (the lane dropped) inside
-    an outer transformation (the replay's own path)."""
+    # Its first leaf says whether an outer transformation made tracers of the result
+    # (the replay's own trace path then).
     path = dispatch.lane_path
     if dispatch.leaf:
         first = out

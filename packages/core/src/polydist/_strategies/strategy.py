@@ -801,15 +801,17 @@ def _prepare(
     asked = execution.asked.get(fn, 0)
     if asked >= _PREPARE_ASKS or execution.prepare is None:
         return
-    strategy = extended._container_strategy()
+    cls, strategy_cls = type(extended), type(extended._container_strategy())
     if not (
-        _plain_run_devices(type(extended))
-        and type(extended).call_for_each_replica is StrategyExtended.call_for_each_replica
-        and type(extended)._call_for_each_replica is StrategyExtended._call_for_each_replica
-        and type(strategy).run is Strategy.run
-        and type(strategy)._run_replicas is Strategy._run_replicas
-        and type(strategy).scope is Strategy.scope
-        and type(strategy)._scope_impl is Strategy._scope_impl
+        _plain_run_devices(cls)
+        and all(
+            getattr(cls, n) is getattr(StrategyExtended, n)
+            for n in ("call_for_each_replica", "_call_for_each_replica")
+        )
+        and all(
+            getattr(strategy_cls, n) is getattr(Strategy, n)
+            for n in ("run", "_run_replicas", "scope", "_scope_impl")
+        )
     ):
         execution.asked[fn] = _PREPARE_ASKS
         return
