@@ -53,7 +53,13 @@ def machine() -> dict[str, Any]:
     }
 
 
+def today() -> str:
+    """The day a figure is measured (UTC, YYYY-MM-DD): the benchmarks page shows it."""
+    return time.strftime("%Y-%m-%d", time.gmtime())
+
+
 def write_results(name: str, payload: dict[str, Any]) -> Path:
+    payload.setdefault("date", today())
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS
+from _common import RESULTS, today
 
 TARGET = 1.1  # peak memory, polydist / hand-written with donation or in-place updates
 
@@ -170,7 +170,8 @@ def merge(name: str, memory: dict[str, Any], row: dict[str, Any]) -> Path:
     data = json.loads(path.read_text()) if path.exists() else {}
     data["memory"] = memory
     key = "ratios" if "ratios" in data else "rows"
-    data[key] = [r for r in data.get(key, []) if not is_memory_row(r)] + [row]
+    # The memory figures are measured now, the file's others earlier.
+    data[key] = [r for r in data.get(key, []) if not is_memory_row(r)] + [row | {"date": today()}]
     data.setdefault("timing_target_met", data.get("target_met", True))
     data["target_met"] = bool(data["timing_target_met"]) and bool(memory["met"])
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

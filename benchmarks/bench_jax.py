@@ -82,7 +82,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _memory
-from _common import machine, write_results
+from _common import machine, today, write_results
 
 import polydist as pd
 from polydist_jax import JaxBackend, replicate
@@ -655,7 +655,7 @@ def main() -> int:
         "the trivial run's cost; peak memory of a variable update",
         "device": device,
         "jax": jax.__version__,
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "date": today(),
         "machine": machine(),
         "workload": {
             "model": f"MLP {FEATURES} -> {HIDDEN} -> {HIDDEN} -> 1, ReLU, biases, float32, "

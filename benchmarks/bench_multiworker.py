@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine
+from _common import RESULTS, machine, today
 
 NAME = "multiworker-cpu"
 SIZES_MIB = (1, 4, 16, 64)
@@ -501,7 +501,7 @@ def main() -> int:
         for checked in (True, False):
             mode = "checked" if checked else "checks off"
             print(f"== {engine} ({mode}): {WORKERS} processes x 1 replica, {SIZES_MIB} MiB")
-            new = run_engine(engine, args.timeout, checked)
+            new = [r | {"date": today()} for r in run_engine(engine, args.timeout, checked)]
             for r in new:
                 print(
                     f"   {r['mib']:5.1f} MiB x {r['arrays']:2d}  raw {r['raw_gb_per_s']:.2f} "
@@ -542,7 +542,8 @@ def main() -> int:
         "polydist's own work.",
         "target": f">= {TARGET} of the semantic floor from {FLOOR_TARGET_FROM_MIB} MiB "
         "(issue 20; the ratios against the engine's own collectives are informational)",
-        "ratios": [ratio for r in rows for ratio in _ratios(r)],
+        # Each row keeps its own date: a run of one engine keeps the other's rows.
+        "ratios": [ratio | {"date": r["date"]} for r in rows for ratio in _ratios(r)],
         "rows": rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine
+from _common import RESULTS, machine, today
 
 NAME = "multiworker-step-cpu"
 TARGET = 0.95
@@ -609,7 +609,7 @@ def main() -> int:
     rows = [r for r in previous.get("rows", []) if r.get("engine") not in engines]
     for engine in engines:
         print(f"== {engine}: {WORKERS} processes x 1 replica, widths {list(WIDTHS.values())}")
-        new = run_engine(engine, args.timeout)
+        new = [r | {"date": today()} for r in run_engine(engine, args.timeout)]
         for r in new:
             for x in _ratios(r):
                 print(f"   {x['ratio']:.3f}  {x['case']}", flush=True)
@@ -633,7 +633,8 @@ def main() -> int:
             else ""
         ),
         "target": f"ratio >= {TARGET} for 1-64 MiB of gradients",
-        "ratios": [ratio for r in rows for ratio in _ratios(r)],
+        # Each row keeps its own date: a run of one engine keeps the other's rows.
+        "ratios": [ratio | {"date": r["date"]} for r in rows for ratio in _ratios(r)],
         "rows": rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

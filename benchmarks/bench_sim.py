@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved_medians, machine, median_seconds, write_results
+from _common import interleaved_medians, machine, median_seconds, today, write_results
 
 import polydist as pd
 from polydist_sim import SimBackend, sum_replicas
@@ -281,6 +281,7 @@ def main() -> int:
         path = write_results("sim", payload)
     else:
         path = args.out
+        payload.setdefault("date", today())
         path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     print(f"wrote {path}")
     for workload in args.workloads:

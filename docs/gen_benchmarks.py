@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ better, 1.0 means no overhead); throughput ratios are the baseline's time
 over polydist's (higher is better). **target** shows the goal a benchmark set
 for a row, and so which way is better; **met** whether the row reached it
 ("-" where no target applies, or where it has a condition the table cannot
-check).
+check); **machine** and **device** what produced it, and **date** the day
+(UTC) it was measured.
 
 These numbers are generated from `benchmarks/results/*.json` when the site is
 built. Run the benchmarks of a checkout and print the same table with
@@ -100,6 +102,20 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|") or "-"
 
 
+def undated(results: Path = RESULTS) -> list[str]:
+    """The rows that do not say when, or on what device, they were measured: every
+    figure on the page must (``--check`` fails on any)."""
+    from polydist._tools.cli import bench_rows
+
+    if not results.is_dir():
+        return []
+    return [
+        f"{r.benchmark}: {r.case}"
+        for r in bench_rows(results)
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.date) or not r.device.strip()
+    ]
+
+
 def render(results: Path = RESULTS) -> str:
     """The page's markdown."""
     from polydist._tools.cli import bench_rows
@@ -109,13 +125,13 @@ def render(results: Path = RESULTS) -> str:
         return INTRO + "\nNo results yet: `benchmarks/results/` has no `*.json` file.\n"
     rows = bench_rows(results)
     out = [INTRO, "## Ratios", ""]
-    out.append("| benchmark | case | device | ratio | target | met | machine |")
-    out.append("|---|---|---|---:|---|---|---|")
+    out.append("| benchmark | case | device | ratio | target | met | machine | date |")
+    out.append("|---|---|---|---:|---|---|---|---|")
     for r in rows:
         met = "-" if r.met is None else "yes" if r.met else "**no**"
         out.append(
             f"| `{r.benchmark}` | {_cell(r.case)} | {_cell(r.device)} | {r.ratio:.2f} | "
-            f"{_cell(r.target)} | {met} | {_cell(r.machine)} |"
+            f"{_cell(r.target)} | {met} | {_cell(r.machine)} | {_cell(r.date)} |"
         )
     out += ["", "## What each benchmark measures", ""]
     for path in files:
@@ -157,6 +173,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gen_benchmarks: error: {e}", file=sys.stderr)
         return 1
     if args.check:
+        missing = undated(args.results)
+        if missing:
+            print(
+                "gen_benchmarks: error: these rows do not name their date (YYYY-MM-DD, a "
+                '"date" in the row or its file; benchmarks/_common.write_results adds it) '
+                "or device:\n  " + "\n  ".join(missing),
+                file=sys.stderr,
+            )
+            return 1
         count = len(list(args.results.glob("*.json")))
         print(f"gen_benchmarks: {count} results file(s) in {args.results} parse")
     elif args.out:

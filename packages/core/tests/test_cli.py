@@ -296,10 +296,13 @@ SIM_RESULTS: dict[str, Any] = {
         {"workload": "mlp", "replicas": 8, "ratio_sequential": 3.25, "plain_numpy_s": 1e-2},
     ],
     "target": "ratio_sequential <= 3.0 at 8 replicas; ratio growth about 1 (linear)",
+    "date": "2026-11-20",
 }
 EXPLICIT_RESULTS: dict[str, Any] = {
     "device": "NVIDIA H100",
-    "ratios": [{"case": "mlp step", "ratio": 1.02, "target": "<= 1.05", "met": True}],
+    "ratios": [
+        {"case": "mlp step", "ratio": 1.02, "target": "<= 1.05", "met": True, "date": "2026-11-21"}
+    ],
 }
 
 
@@ -316,12 +319,28 @@ def test_bench_prints_the_ratio_table(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["bench", "--no-run", "--dir", str(tmp_path / "benchmarks")]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("benchmark"))
-    assert lines[header].split() == ["benchmark", "case", "device", "ratio", "target", "met"]
+    assert lines[header].split() == [
+        "benchmark",
+        "case",
+        "device",
+        "ratio",
+        "target",
+        "met",
+        "date",
+    ]
     rows = [line.split("  ") for line in lines[header + 2 :]]
     cells = [[c.strip() for c in row if c.strip()] for row in rows]
     assert cells == [
-        ["jax-cuda", "mlp step", "NVIDIA H100", "1.02", "<= 1.05", "yes"],
-        ["sim", "linear, 1 replica (sequential)", "CPU (NumPy simulator)", "3.50", "-", "-"],
+        ["jax-cuda", "mlp step", "NVIDIA H100", "1.02", "<= 1.05", "yes", "2026-11-21"],
+        [
+            "sim",
+            "linear, 1 replica (sequential)",
+            "CPU (NumPy simulator)",
+            "3.50",
+            "-",
+            "-",
+            "2026-11-20",
+        ],
         [
             "sim",
             "linear, 8 replicas (sequential)",
@@ -329,8 +348,17 @@ def test_bench_prints_the_ratio_table(tmp_path: Path, capsys: pytest.CaptureFixt
             "2.50",
             "<= 3.0",
             "yes",
+            "2026-11-20",
         ],
-        ["sim", "mlp, 8 replicas (sequential)", "CPU (NumPy simulator)", "3.25", "<= 3.0", "NO"],
+        [
+            "sim",
+            "mlp, 8 replicas (sequential)",
+            "CPU (NumPy simulator)",
+            "3.25",
+            "<= 3.0",
+            "NO",
+            "2026-11-20",
+        ],
     ]
 
 
@@ -380,7 +408,7 @@ def test_bench_runs_the_scripts(tmp_path: Path, capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert "== running benchmarks/bench_fake.py" in out
     assert "bench_broken" not in out
-    assert any(line.split() == ["fake", "2", "replicas", "cpu", "1.50", "<=", "2", "yes"]
+    assert any(line.split() == ["fake", "2", "replicas", "cpu", "1.50", "<=", "2", "yes", "-"]
                for line in out.splitlines())  # fmt: skip
     assert main(["bench", "--dir", str(bench)]) == 1
     out = capsys.readouterr().out

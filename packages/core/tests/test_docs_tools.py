@@ -29,15 +29,24 @@ def test_benchmark_page_names_device_and_machine_per_row(tmp_path: Path) -> None
         "benchmark": "a | b",
         "device": "NVIDIA H100",
         "machine": {"processor": "x86_64", "cpu_count": 16, "platform": "Linux-6.8"},
-        "rows": [{"replicas": 8, "ratio": 1.04}],
+        "date": "2026-11-20",
+        # A row measured on another day than the file's others says so itself.
+        "rows": [
+            {"replicas": 8, "ratio": 1.04},
+            {"replicas": 4, "ratio": 1.5, "date": "2026-11-28"},
+        ],
         "target": "ratio <= 1.05 at 8 replicas",
     }
     (tmp_path / "jax-cuda.json").write_text(json.dumps(payload), encoding="utf-8")
     page = gen.render(tmp_path)
-    row = (
-        "| `jax-cuda` | 8 replicas | NVIDIA H100 | 1.04 | <= 1.05 | yes | x86_64, 16 CPUs, Linux |"
+    machine = "x86_64, 16 CPUs, Linux"
+    assert (
+        f"| `jax-cuda` | 8 replicas | NVIDIA H100 | 1.04 | <= 1.05 | yes | {machine} | 2026-11-20 |"
+        in page
     )
-    assert row in page
+    assert (
+        f"| `jax-cuda` | 4 replicas | NVIDIA H100 | 1.50 | - | - | {machine} | 2026-11-28 |" in page
+    )
     assert "- **`jax-cuda`** (jax-cuda.json): a | b" in page
     assert "Target: ratio <= 1.05 at 8 replicas." in page
 
@@ -53,6 +62,29 @@ def test_benchmark_script_check_reports_a_broken_file(
     (tmp_path / "bad.json").write_text("[1,", encoding="utf-8")
     assert gen.main(["--check", "--results", str(tmp_path)]) == 1
     assert "bad.json" in capsys.readouterr().err
+
+
+def test_benchmark_script_check_requires_a_date_per_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gen = _load("gen_benchmarks")
+    payload = {"device": "CPU", "ratios": [{"case": "step", "ratio": 1.0}]}
+    (tmp_path / "sim.json").write_text(json.dumps(payload), encoding="utf-8")
+    assert gen.main(["--check", "--results", str(tmp_path)]) == 1
+    assert "sim: step" in capsys.readouterr().err
+    payload["ratios"][0]["date"] = "yesterday"  # type: ignore[index]
+    (tmp_path / "sim.json").write_text(json.dumps(payload), encoding="utf-8")
+    assert gen.main(["--check", "--results", str(tmp_path)]) == 1
+    payload["date"] = "2026-11-28"
+    del payload["ratios"][0]["date"]  # type: ignore[attr-defined]
+    (tmp_path / "sim.json").write_text(json.dumps(payload), encoding="utf-8")
+    assert gen.main(["--check", "--results", str(tmp_path)]) == 0
+
+
+def test_recorded_benchmark_results_are_dated() -> None:
+    # Every figure of benchmarks/results/ on the page says when it was measured.
+    gen = _load("gen_benchmarks")
+    assert gen.undated() == []
 
 
 def test_name_table_and_conditional_blocks() -> None:

@@ -33,6 +33,9 @@ class BenchRow:
     target: str  # e.g. "<= 3.0", or "" where no target applies to this row
     met: bool | None
     machine: str
+    # When the figure was measured (UTC, YYYY-MM-DD): the row's "date", else its file's;
+    # "" where neither says.
+    date: str = ""
 
 
 # One clause of a "target" sentence: "ratio_sequential <= 3.0 at 8 replicas",
@@ -66,7 +69,7 @@ def _is_ratio(key: str, value: Any) -> bool:
 
 
 def _case_label(row: dict[str, Any], ratio_key: str) -> str:
-    words = [v for k, v in row.items() if isinstance(v, str) and k != "device"]
+    words = [v for k, v in row.items() if isinstance(v, str) and k not in ("device", "date")]
     replicas = row.get("replicas")
     if isinstance(replicas, int) and not isinstance(replicas, bool):
         words.append(f"{replicas} replica{'s' if replicas != 1 else ''}")
@@ -83,6 +86,7 @@ def _case_label(row: dict[str, Any], ratio_key: str) -> str:
 def _rows_from_payload(name: str, payload: dict[str, Any]) -> list[BenchRow]:
     machine = _machine(payload)
     default_device = str(payload.get("device", ""))
+    file_date = str(payload.get("date", ""))
     out: list[BenchRow] = []
     # The explicit form: "ratios": [{"case", "device", "ratio", "target", "met"}].
     explicit = payload.get("ratios")
@@ -98,6 +102,7 @@ def _rows_from_payload(name: str, payload: dict[str, Any]) -> list[BenchRow]:
                     str(r.get("target", "")),
                     met if isinstance(met, bool) else None,
                     machine,
+                    str(r.get("date", file_date)),
                 )
             )
         return out
@@ -135,6 +140,7 @@ def _rows_from_payload(name: str, payload: dict[str, Any]) -> list[BenchRow]:
                     target,
                     met if isinstance(met, bool) else None,
                     machine,
+                    str(row.get("date", file_date)),
                 )
             )
     return out
@@ -283,6 +289,8 @@ def _bench_table(rows: Sequence[BenchRow]) -> list[str]:
         return f"{x:.2f}" if math.isfinite(x) else str(x)
 
     body = [
-        [r.benchmark, r.case, r.device, ratio(r.ratio), r.target or "-", met(r.met)] for r in rows
+        [r.benchmark, r.case, r.device, ratio(r.ratio), r.target or "-", met(r.met), r.date or "-"]
+        for r in rows
     ]
-    return _table(["benchmark", "case", "device", "ratio", "target", "met"], body, right={3})
+    headers = ["benchmark", "case", "device", "ratio", "target", "met", "date"]
+    return _table(headers, body, right={3})
