@@ -20,11 +20,13 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["is_variable_storage", "mark_variable_storage"]
 
-_STORAGE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id of a marked tensor -> that tensor (weakly). A plain dict of weak references, not
+# torch's WeakIdKeyDictionary: every collective of a lone replica asks, and a lookup
+# there builds a reference object per call.
+_STORAGE: dict[int, weakref.ref[torch.Tensor]] = {}
 # The address of a marked tensor's memory -> that tensor (weakly), for tensors that share
 # the memory without being the marked object.
 _BY_MEMORY: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -42,7 +44,15 @@ def mark_variable_storage(tensor: Any) -> None:
     """Records ``tensor`` as (part of) a variable's storage."""
     if not isinstance(tensor, torch.Tensor):
         return
-    _STORAGE[tensor] = True
+    key = id(tensor)
+    marked = _STORAGE.get(key)
+    if marked is None or marked() is not tensor:
+
+        def forget_id(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
+            if _STORAGE.get(key) is ref:  # not a newer tensor with a reused id
+                del _STORAGE[key]
+
+        _STORAGE[key] = weakref.ref(tensor, forget_id)
     address = _memory(tensor)
     if address:
         previous = _BY_MEMORY.get(address)
@@ -57,7 +67,12 @@ def mark_variable_storage(tensor: Any) -> None:
 
 def is_variable_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is, or once was, a variable's storage, or shares its memory."""
-    if tensor in _STORAGE:
+    if not _STORAGE:
+        # No marked tensor lives, so no memory is marked either (a marked tensor leaves
+        # both registries when it dies).
+        return False
+    marked = _STORAGE.get(id(tensor))
+    if marked is not None and marked() is tensor:
         return True
     address = _memory(tensor)
     if not address:

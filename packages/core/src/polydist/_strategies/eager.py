@@ -206,6 +206,25 @@ class _EagerChannel:
         )
 
 
+class _LoneChannel(_EagerChannel):
+    """A lone replica's channel: an all_reduce has nobody to wait for or agree with, so it
+    is performed at once, without the sync request and signature a group needs."""
+
+    __slots__ = ()
+
+    def all_reduce(self, reduce_op: ReduceOp, values: Sequence[Any]) -> list[Any]:
+        collectives = self._slot
+        assert isinstance(collectives, _Collectives)
+        if _trace.is_tracing() or (collectives.packs_nests and len(values) > 1):
+            # Recorded in the trace, or packed: the general path.
+            signature = (reduce_op.value, tuple((v.dtype, tuple(v.shape)) for v in values))
+            reply: list[Any] = collectives.sync(
+                _SyncRequest("all_reduce", signature, list(values), sys._getframe(1))
+            )
+            return reply
+        return collectives.lone_all_reduce(reduce_op.value, values, sys._getframe(1))
+
+
 def _gather_signature(v: Any, axis: int) -> tuple[Any, tuple[Any, ...]]:
     shape: list[Any] = list(v.shape)
     if shape:
@@ -264,14 +283,24 @@ class _Collectives:
         # The strategy's CommunicationOptions (multi-worker strategies only).
         self.options: CommunicationOptions | None = group.communication_options
         self.lazy_replica_id = lazy_replica_id
+        # Whether the backend packs a nest's arrays into fewer collectives (fixed per backend).
+        self.packs_nests = features(self.backend).batch_all_reduce
 
     def sync(self, request: _SyncRequest) -> Any:
         """A lone replica's sync point, performed at once: nobody else to wait for."""
         return self._resolve([request])[0]
 
+    def lone_all_reduce(self, reduce_op: str, values: Sequence[Any], frame: FrameType) -> list[Any]:
+        """A lone replica's all_reduce of ``values``, not traced and not packed: what
+        `_resolve` does for one request, one array at a time under one intent."""
+        backend, devices = self.backend, self.devices
+        device = devices[0]
+        with collective_intent(reduce_op, lambda: _trace.user_source_line(frame=frame)):
+            return [backend.all_reduce([backend.place(v, device)], devices)[0] for v in values]
+
     def channel(self, index: int, syncs: _Syncs) -> ReplicaChannel:
         """Replica ``index``'s channel, its sync points going to ``syncs``."""
-        channel: ReplicaChannel = _EagerChannel(syncs)
+        channel: ReplicaChannel = _LoneChannel(syncs) if syncs is self else _EagerChannel(syncs)
         if self.wrap_channel is not None:
             channel = self.wrap_channel(channel, self.offset + index)
         return channel
