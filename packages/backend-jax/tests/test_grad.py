@@ -64,6 +64,67 @@ def test_unmarked_constants_get_jax_semantics() -> None:
     assert grads(strategy, step, c) == [8.0, 8.0]
 
 
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize(("op", "n"), [("SUM", 2.0), ("MEAN", 1.0)])
+def test_a_loss_made_from_the_all_reduce_alone(jit: bool, op: str, n: float) -> None:
+    # The upstream gradient is the same on every replica (the loss is the all-reduce's
+    # result itself): TF sums each replica's, so d all_reduce(x) / dx_r is N for SUM and
+    # 1 for MEAN. Compiled, JAX alone took the shared result for one loss (1 and 1/N).
+    strategy = pd.MirroredStrategy(2, backend=JaxBackend(jit=jit))
+    x = pd.PerReplica([jnp.float32(1.0), jnp.float32(3.0)])
+
+    def step(x: Any) -> Any:
+        plain = jax.grad(lambda t: ctx().all_reduce(op, t))(x)
+        squares = jax.grad(lambda t: ctx().all_reduce(op, t * t) / 2)(x)
+        # A nest with an integer count beside: the count has no gradient.
+        mixed = jax.grad(lambda t: ctx().all_reduce(op, (t, jnp.int32(1)))[0])(x)
+        return plain, squares, mixed
+
+    plain, squares, mixed = strategy.run(step, (x,))
+    assert [float(v) for v in plain.values] == [n, n]
+    assert [float(v) for v in squares.values] == [n * 1.0, n * 3.0]
+    assert [float(v) for v in mixed.values] == [n, n]
+
+
+def test_forward_mode_through_a_compiled_all_reduce() -> None:
+    # Forward mode and second derivatives follow the same rule: d/dx_r of
+    # all_reduce(SUM, x^3 / 6) is all_reduce(SUM, 1) * x_r^2 / 2 = x_r^2 on 2 replicas.
+    strategy = pd.MirroredStrategy(2, backend=JaxBackend())
+    x = pd.PerReplica([jnp.float32(1.0), jnp.float32(3.0)])
+
+    def step(x: Any) -> Any:
+        def cube(t: Any) -> Any:
+            return ctx().all_reduce("SUM", t * t * t) / 6
+
+        # The tangent is this replica's, as x is (varying).
+        tangent = jax.jvp(lambda t: ctx().all_reduce("SUM", t * t), (x,), (jnp.ones_like(x),))[1]
+        return tangent, jax.grad(cube)(x), jax.hessian(cube)(x)
+
+    tangent, grad, hessian = strategy.run(step, (x,))
+    # The tangent: the all-reduce of each replica's 2 x_r (2 + 6).
+    assert [float(v) for v in tangent.values] == [8.0, 8.0]
+    assert [float(v) for v in grad.values] == [1.0, 9.0]
+    assert [float(v) for v in hessian.values] == [2.0, 6.0]
+
+
+def test_an_all_reduce_not_differentiated_stays_shared() -> None:
+    # Outside jax.grad the all-reduce's result is JAX's one shared value: returned, it
+    # comes back as one replicated array (no per-replica blocks, no gather).
+    from polydist_jax._lazy import is_varying
+
+    strategy = pd.MirroredStrategy(2, backend=JaxBackend())
+    seen: list[bool] = []
+
+    def step(x: Any) -> Any:
+        total = ctx().all_reduce("SUM", x)
+        seen.append(is_varying(total))
+        return total
+
+    out = strategy.run(step, (pd.PerReplica([jnp.float32(1.0), jnp.float32(3.0)]),))
+    assert [float(v) for v in out.values] == [4.0, 4.0]
+    assert seen == [False]
+
+
 def test_varying_is_a_no_op_outside_a_compiled_run() -> None:
     x = jnp.ones(2)
     assert varying(x) is x

@@ -817,6 +817,48 @@ OWN_OPERAND_BYTES = 1 << 20
 MAX_PACK_BYTES = 4 << 20
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _replica_psum(arrays: list[Any], axis: str | tuple[str, ...]) -> list[Any]:
+    """``lax.psum`` of inexact ``arrays`` over ``axis``, differentiated by TF's rule.
+
+    JAX takes a psum's result to be one value shared by the replicas, so ``jax.grad``
+    of a loss made from it alone counts that loss once: the gradient of
+    ``all_reduce(SUM, x)`` was 1 where TF's is N (each replica's copy is its own loss,
+    and the gradient is the all-reduce of the upstream gradients). Differentiated, the
+    result is therefore each replica's own (varying), and its tangent the psum of the
+    tangents: reverse mode then sums every replica's upstream gradient, as TF does.
+    Not differentiated, it stays JAX's shared value (merge_call and reductions of it
+    need no gather)."""
+    return list(psum(arrays, axis))
+
+
+@_replica_psum.defjvp
+def _replica_psum_jvp(
+    axis: str | tuple[str, ...], primals: tuple[list[Any]], tangents: tuple[list[Any]]
+) -> tuple[list[Any], list[Any]]:
+    (arrays,), (dots,) = primals, tangents
+    return [vary(s) for s in psum(arrays, axis)], [vary(s) for s in psum(dots, axis)]
+
+
+def _tf_psum(arrays: list[Any]) -> list[Any]:
+    """The psum over every replica of each array, with TF's gradient for the inexact ones
+    (`_replica_psum`; integers have no gradient)."""
+    axis = replica_axis()
+    inexact = [jnp.issubdtype(a.dtype, jnp.inexact) for a in arrays]
+    if all(inexact):  # the common case: one all-reduce of the whole nest
+        return _replica_psum(list(arrays), axis)
+    out: list[Any] = list(arrays)
+    for wanted, sums in (
+        (True, _replica_psum([a for a, f in zip(arrays, inexact, strict=True) if f], axis)),
+        (False, list(psum([a for a, f in zip(arrays, inexact, strict=True) if not f], axis))),
+    ):
+        it = iter(sums)
+        for i, f in enumerate(inexact):
+            if f is wanted:
+                out[i] = next(it)
+    return out
+
+
 def _packed_psum(arrays: list[Any], bytes_per_pack: int) -> list[Any]:
     """The psum of each array over the replicas of several processes, packed as TF packs
     a nest: the arrays of each dtype are concatenated into flat packs (`pack_by_size`),
@@ -849,7 +891,7 @@ def _packed_psum(arrays: list[Any], bytes_per_pack: int) -> list[Any]:
         kept[p[0]] if len(p) == 1 else jnp.concatenate([kept[i].reshape(-1) for i in p])
         for p in packs
     ]
-    sums = psum(operands, replica_axis()) if operands else []
+    sums = _tf_psum(operands) if operands else []
     for pack, total in zip(packs, sums, strict=True):
         if len(pack) == 1:
             out[nonempty[pack[0]]] = total
@@ -890,7 +932,7 @@ class SpmdChannel:
         if WORKERS not in replica_axes():
             # One process: XLA's own all-reduce of the nest (packing would only add the
             # copies in and out: 10% on the CPU MLP benchmark's step).
-            return list(psum(arrays, replica_axis()))
+            return _tf_psum(arrays)
         call = _communication.current_call_options()
         return _packed_psum(arrays, _communication.bytes_per_pack(self._options, call))
 
