@@ -399,12 +399,14 @@ class StrategyExtended(ExtendedVariablesMixin):
         if not isinstance(value, DistributedValues):
             return value
         check_num_components(value, len(self._devices), "strategy.gather")
-        components = [convert_to_array(v) for v in value.values]
+        components = _replica_arrays(value)
         for c in components:
             _check_gather_axis(c, axis)
         _check_gather_shapes(components, axis, same_shape=self._gather_needs_same_shape)
         if len(components) == 1 and not self._replica_group(1).across_processes:
-            return components[0]
+            first = value.values[0]
+            # A variable's copy is read now: its storage may be updated in place later.
+            return first.read_value() if isinstance(first, _variables.Variable) else components[0]
         result = self._backend.all_gather(self._place_components(components), axis, [destination])[
             0
         ]
@@ -412,6 +414,13 @@ class StrategyExtended(ExtendedVariablesMixin):
         return result
 
     _gather_needs_same_shape = False
+
+
+def _replica_arrays(value: DistributedValues) -> list[Any]:
+    """Each replica's array of ``value``; a distributed variable gives each replica's own
+    copy, as TF's per-replica ``reduce_sum(v, axis)`` reads it (backends take arrays only)."""
+    value = _variables.read_for_reduce(value)
+    return [convert_to_array(_variables.read_for_reduce(v)) for v in value.values]
 
 
 class Strategy:
@@ -576,9 +585,10 @@ class Strategy:
     def _reduce_with_axis(self, reduce_op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
         extended = self._extended
         if isinstance(value, DistributedValues):
-            components = [convert_to_array(v) for v in value.values]
+            components = _replica_arrays(value)
         else:
             # TF runs the local reduction on every replica: a plain value counts once each.
+            value = _variables.read_for_reduce(value)
             components = [convert_to_array(value)] * extended._local_replica_count
         check_summable(reduce_op, components)  # the local reduce_sum is a SUM too
         group = extended._replica_group(len(components))
