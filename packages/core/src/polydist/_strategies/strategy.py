@@ -395,6 +395,15 @@ class StrategyExtended(ExtendedVariablesMixin):
         selected = select_replicas(range(len(self._devices)), value)
         return (value,) if selected is None else selected
 
+    def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        n = self._num_replicas_in_sync
+        offset = self._replica_offset  # ids among every worker's replicas
+        values = []
+        for r, device in enumerate(self._devices):
+            with self._backend.device_scope(device):
+                values.append(value_fn(ValueContext(offset + r, n)))
+        return regroup(values, always_wrap=True)
+
     def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
         if not isinstance(value, DistributedValues):
             return value
@@ -637,16 +646,12 @@ class Strategy:
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
     ) -> Any:
-        """Builds a ``PerReplica`` by calling ``value_fn(ValueContext)`` for each replica."""
-        devices = self._extended._devices
-        n = self.num_replicas_in_sync
-        backend = self._extended._backend
-        offset = self._extended._replica_offset  # ids among every worker's replicas
-        values = []
-        for r, device in enumerate(devices):
-            with backend.device_scope(device):
-                values.append(value_fn(ValueContext(offset + r, n)))
-        return regroup(values, always_wrap=True)
+        """Builds a ``PerReplica`` by calling ``value_fn(ValueContext)`` for each replica.
+
+        ``OneDeviceStrategy`` and the default strategy return ``value_fn``'s value
+        itself, called once with ``ValueContext()`` (as TF does).
+        """
+        return self._extended._distribute_values_from_function(value_fn)
 
     # -- input (implemented in polydist._input.input_lib) ---------------------------------
     def experimental_distribute_dataset(
