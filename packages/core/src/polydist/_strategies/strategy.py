@@ -17,6 +17,7 @@ from polydist._base.arrays import (
     divide_exactly,
     is_array,
     is_integral,
+    mean_from_sum,
 )
 from polydist._base.communication import CommunicationOptions, call_options
 from polydist._base.devices import HOST_DEVICE, canonicalize
@@ -619,8 +620,8 @@ class Strategy:
             denom = extended._count_over_group(local, numer)
         numer = xp.asarray(numer)
         with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
-            if is_integral(xp, numer.dtype):
-                return xp.asarray(divide_exactly(xp, xp.astype(numer, xp.float64), denom))
+            if is_integral(xp, numer.dtype):  # float64, or JAX's widest float without x64
+                return xp.asarray(mean_from_sum(xp, numer, denom))
             return xp.asarray(divide_exactly(xp, numer, xp.asarray(denom, dtype=numer.dtype)))
 
     def gather(self, value: Any, axis: int) -> Any:
