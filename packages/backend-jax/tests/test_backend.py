@@ -135,6 +135,16 @@ class TestOneDeviceStrategy:
         assert float(strategy.reduce("SUM", total, axis=0)) == 12.0
         assert float(strategy.reduce("MEAN", total, axis=None)[1]) == 2.0
 
+    def test_distribute_values_from_function_returns_the_value(self) -> None:
+        # TF: value_fn(ValueContext()) itself, made under the device's scope.
+        strategy = pd.OneDeviceStrategy("/cpu:3", backend=JaxBackend())
+        value = strategy.experimental_distribute_values_from_function(
+            lambda ctx: jnp.arange(3.0) + ctx.replica_id_in_sync_group + ctx.num_replicas_in_sync
+        )
+        assert isinstance(value, jax.Array) and value.devices() == {jax.devices()[3]}
+        out = strategy.run(lambda x: x * 2, args=(value,))
+        np.testing.assert_array_equal(out, [2.0, 4.0, 6.0])
+
 
 class TestDefaultStrategy:
     def test_default_strategy_with_jax_arrays(self, monkeypatch: pytest.MonkeyPatch) -> None:

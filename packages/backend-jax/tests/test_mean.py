@@ -80,3 +80,25 @@ def test_reduce_mean_with_axis_is_the_exact_quotient(jit: bool) -> None:
 
     for got in strategy.experimental_local_results(strategy.run(step, (x,))):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["compiled", "eager"])
+def test_reduce_mean_of_ints_with_axis_is_quiet(jit: bool) -> None:
+    """TF's float64 MEAN of ints is JAX's widest float without x64, as with ``axis=None``:
+    no "truncated to float32" warning (pytest turns one into an error)."""
+    strategy = pd.MirroredStrategy(3, backend=JaxBackend(jit=jit))
+    x = strategy.run(
+        lambda: jnp.arange(4, dtype=jnp.int32).reshape(2, 2) + ctx().replica_id_in_sync_group
+    )
+    want_dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    for axis, want in [(0, [2.0, 3.0]), (1, [1.5, 3.5]), ((0, 1), 2.5), (None, [[1, 2], [3, 4]])]:
+        got = strategy.reduce("MEAN", x, axis=axis)
+        assert got.dtype == want_dtype, axis
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+    def step(x: Any) -> Any:
+        return ctx().merge_call(lambda s, v: s.reduce("MEAN", v, axis=0), args=(x,))
+
+    for got in strategy.experimental_local_results(strategy.run(step, (x,))):
+        assert got.dtype == want_dtype
+        np.testing.assert_array_equal(np.asarray(got), [2.0, 3.0])

@@ -308,6 +308,40 @@ def test_reads_in_replica_and_cross_replica_context(sync: VS, aggregation: VA) -
     check_both(program)
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["compiled", "eager"])
+def test_reduce_with_axis_and_gather_of_variables(jit: bool) -> None:
+    # Each replica's own copy is summed (TF's per-replica reduce_sum(v, axis)), outside
+    # run and in a merge_fn of a run; a plain variable counts once on each replica.
+    strategy = pd.MirroredStrategy(3, backend=JaxBackend(jit=jit))
+    start = np.array([1.0, 2.0], np.float32)
+    mv = make(strategy, start, aggregation=VA.MEAN)
+    sv = make(strategy, start, synchronization=VS.ON_READ, aggregation=VA.SUM)
+    pv = pd.Variable(start)
+
+    def step() -> Any:
+        sv.assign(sv * rid_plus())  # copies [1, 2], [2, 4], [3, 6]
+        return ctx().merge_call(
+            lambda s: (s.reduce("SUM", mv, axis=0), s.reduce("MEAN", sv, axis=0), s.gather(sv, 0))
+        )
+
+    merged = [strategy.experimental_local_results(t)[0] for t in strategy.run(step)]
+    assert [float(merged[0]), float(merged[1])] == [9.0, 3.0]
+    np.testing.assert_array_equal(np.asarray(merged[2]), [1, 2, 2, 4, 3, 6])
+    for op, var, want in [
+        ("SUM", mv, 9.0),
+        ("MEAN", mv, 1.5),
+        ("SUM", sv, 18.0),
+        ("MEAN", sv, 3.0),
+        ("SUM", pv, 9.0),
+        ("MEAN", pv, 1.5),
+    ]:
+        got = strategy.reduce(op, var, axis=0)
+        assert got.dtype == jnp.float32 and float(got) == want, (op, var.name)
+    np.testing.assert_array_equal(np.asarray(strategy.gather(mv, axis=0)), [1, 2, 1, 2, 1, 2])
+    np.testing.assert_array_equal(np.asarray(strategy.gather(sv, axis=0)), [1, 2, 2, 4, 3, 6])
+    assert strategy.gather(pv, axis=0) is pv  # not distributed: returned as it is (TF)
+
+
 # -- cross-replica writes ------------------------------------------------------------------
 
 WRITE_CASES = [

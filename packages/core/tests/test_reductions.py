@@ -282,6 +282,56 @@ class TestGather:
             np.testing.assert_array_equal(v, expected)
 
 
+class TestVariablesWithAxisAndGather:
+    """reduce(axis=...) and gather read a variable as TF's per-replica ``reduce_sum(v, axis)``
+    does: each replica's own copy (a plain variable: the same value on every replica)."""
+
+    @staticmethod
+    def variables(strategy: pd.Strategy) -> tuple[Any, Any, Any]:
+        f32 = np.float32
+        with strategy.scope():
+            mv = pd.Variable(np.array([1.0, 2.0], f32), aggregation=pd.VariableAggregation.MEAN)
+            sv = pd.Variable(
+                np.array([1.0, 2.0], f32),
+                synchronization=pd.VariableSynchronization.ON_READ,
+                aggregation=pd.VariableAggregation.SUM,
+            )
+        pv = pd.Variable(np.array([1.0, 2.0], f32))
+        # The sync-on-read copies differ: [1, 2], [2, 4], [3, 6].
+        strategy.run(lambda: sv.assign(sv * np.float32(rid() + 1)))
+        return mv, sv, pv
+
+    def test_reduce_with_axis(self) -> None:
+        strategy = pd.MirroredStrategy(3)
+        mv, sv, pv = self.variables(strategy)
+        for op, var, expected in [
+            ("SUM", mv, 9.0),
+            ("MEAN", mv, 1.5),
+            ("SUM", sv, 18.0),
+            ("MEAN", sv, 3.0),
+            ("SUM", pv, 9.0),  # counted once on each replica
+            ("MEAN", pv, 1.5),
+        ]:
+            got = strategy.reduce(op, var, axis=0)
+            assert got.dtype == np.float32 and float(got) == expected, (op, var.name)
+        np.testing.assert_array_equal(strategy.reduce("SUM", sv, axis=None), [6.0, 12.0])
+
+    def test_gather(self) -> None:
+        strategy = pd.MirroredStrategy(3)
+        mv, sv, pv = self.variables(strategy)
+        np.testing.assert_array_equal(strategy.gather(mv, axis=0), [1, 2, 1, 2, 1, 2])
+        np.testing.assert_array_equal(strategy.gather(sv, axis=0), [1, 2, 2, 4, 3, 6])
+        assert strategy.gather(pv, axis=0) is pv  # not distributed: returned as it is (TF)
+
+    def test_one_replica_gather_is_a_read_not_the_storage(self) -> None:
+        strategy = pd.MirroredStrategy(1)
+        with strategy.scope():
+            mv = pd.Variable(np.array([1.0, 2.0], np.float32))
+        got = strategy.gather(mv, axis=0)
+        np.testing.assert_array_equal(got, [1.0, 2.0])
+        assert not np.shares_memory(got, mv.values[0].value())
+
+
 class TestMergeCall:
     def test_merge_fn_runs_once_in_cross_replica_context(self) -> None:
         strategy = pd.MirroredStrategy(3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
@@ -262,6 +263,34 @@ class TestDefaultAndOneDevice:
         assert int(s.run(replica_id)) == 0
         assert s.reduce("SUM", np.float32(3), axis=None) == 3
         assert s.cluster_resolver is None
+
+    @pytest.mark.parametrize("kind", ["default", "one_device", "one_device_v1"])
+    def test_distribute_values_from_function_returns_the_value(self, kind: str) -> None:
+        # TF's OneDeviceExtended and _DefaultDistributionExtended: value_fn(ValueContext()),
+        # not a PerReplica; `run` passes it on as it is.
+        strategy = {
+            "default": pd.get_strategy,
+            "one_device": lambda: pd.OneDeviceStrategy("/cpu:0"),
+            "one_device_v1": lambda: pd.compat.v1.distribute.OneDeviceStrategy("/cpu:0"),
+        }[kind]()
+        seen: list[tuple[int, int]] = []
+
+        def value_fn(ctx: ValueContext) -> Any:
+            seen.append((ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync))
+            return np.array([1.0, 2.0], np.float32)
+
+        value = strategy.experimental_distribute_values_from_function(value_fn)
+        assert seen == [(0, 1)]
+        assert isinstance(value, np.ndarray) and value.tolist() == [1.0, 2.0]
+        doubled = strategy.run(lambda x: x * 2, args=(value,))
+        assert isinstance(doubled, np.ndarray) and doubled.tolist() == [2.0, 4.0]
+        assert strategy.experimental_local_results(value) == (value,)
+        assert float(strategy.reduce("SUM", value, axis=0)) == 3.0
+        assert strategy.gather(value, axis=0) is value
+
+    def test_one_replica_mirrored_strategy_still_wraps(self) -> None:
+        values = pd.MirroredStrategy(1).experimental_distribute_values_from_function(lambda _: 7)
+        assert isinstance(values, pd.PerReplica) and values.values == (7,)
 
 
 def test_one_scope_object_entered_again_inside_itself_leaves_cleanly() -> None:

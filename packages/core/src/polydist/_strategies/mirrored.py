@@ -28,6 +28,7 @@ from polydist._strategies.replica_context import (
 from polydist._valuetypes import variables as _variables
 from polydist._valuetypes.values import (
     DistributedValues,
+    ValueContext,
 )
 from polydist.backend._contract import Backend, get_backend
 
@@ -100,6 +101,11 @@ class OneDeviceExtended(StrategyExtended):
         ):
             return fn(*args, **kwargs)
 
+    def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        # TF returns the value itself (no PerReplica): `run` hands its args on as they are.
+        with self._backend.device_scope(self._devices[0]):
+            return value_fn(ValueContext())
+
 
 class OneDeviceStrategy(Strategy):
     """Runs everything on one device: a single replica, placed on ``device``."""
@@ -131,6 +137,10 @@ class _DefaultExtended(StrategyExtended):
 
     def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
         return value
+
+    def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        with self._backend.device_scope(self._devices[0]):  # TF: as OneDeviceStrategy
+            return value_fn(ValueContext())
 
     @property
     def worker_devices(self) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from polydist._base.arrays import (
     divide_exactly,
     is_array,
     is_integral,
+    mean_from_sum,
 )
 from polydist._base.communication import CommunicationOptions, call_options
 from polydist._base.devices import HOST_DEVICE, canonicalize
@@ -395,16 +396,27 @@ class StrategyExtended(ExtendedVariablesMixin):
         selected = select_replicas(range(len(self._devices)), value)
         return (value,) if selected is None else selected
 
+    def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        n = self._num_replicas_in_sync
+        offset = self._replica_offset  # ids among every worker's replicas
+        values = []
+        for r, device in enumerate(self._devices):
+            with self._backend.device_scope(device):
+                values.append(value_fn(ValueContext(offset + r, n)))
+        return regroup(values, always_wrap=True)
+
     def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
         if not isinstance(value, DistributedValues):
             return value
         check_num_components(value, len(self._devices), "strategy.gather")
-        components = [convert_to_array(v) for v in value.values]
+        components = _replica_arrays(value)
         for c in components:
             _check_gather_axis(c, axis)
         _check_gather_shapes(components, axis, same_shape=self._gather_needs_same_shape)
         if len(components) == 1 and not self._replica_group(1).across_processes:
-            return components[0]
+            first = value.values[0]
+            # A variable's copy is read now: its storage may be updated in place later.
+            return first.read_value() if isinstance(first, _variables.Variable) else components[0]
         result = self._backend.all_gather(self._place_components(components), axis, [destination])[
             0
         ]
@@ -412,6 +424,13 @@ class StrategyExtended(ExtendedVariablesMixin):
         return result
 
     _gather_needs_same_shape = False
+
+
+def _replica_arrays(value: DistributedValues) -> list[Any]:
+    """Each replica's array of ``value``; a distributed variable gives each replica's own
+    copy, as TF's per-replica ``reduce_sum(v, axis)`` reads it (backends take arrays only)."""
+    value = _variables.read_for_reduce(value)
+    return [convert_to_array(_variables.read_for_reduce(v)) for v in value.values]
 
 
 class Strategy:
@@ -576,9 +595,10 @@ class Strategy:
     def _reduce_with_axis(self, reduce_op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
         extended = self._extended
         if isinstance(value, DistributedValues):
-            components = [convert_to_array(v) for v in value.values]
+            components = _replica_arrays(value)
         else:
             # TF runs the local reduction on every replica: a plain value counts once each.
+            value = _variables.read_for_reduce(value)
             components = [convert_to_array(value)] * extended._local_replica_count
         check_summable(reduce_op, components)  # the local reduce_sum is a SUM too
         group = extended._replica_group(len(components))
@@ -600,8 +620,8 @@ class Strategy:
             denom = extended._count_over_group(local, numer)
         numer = xp.asarray(numer)
         with np.errstate(invalid="ignore", divide="ignore"):  # all empty: NaN, as in TF
-            if is_integral(xp, numer.dtype):
-                return xp.asarray(divide_exactly(xp, xp.astype(numer, xp.float64), denom))
+            if is_integral(xp, numer.dtype):  # float64, or JAX's widest float without x64
+                return xp.asarray(mean_from_sum(xp, numer, denom))
             return xp.asarray(divide_exactly(xp, numer, xp.asarray(denom, dtype=numer.dtype)))
 
     def gather(self, value: Any, axis: int) -> Any:
@@ -627,16 +647,12 @@ class Strategy:
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
     ) -> Any:
-        """Builds a ``PerReplica`` by calling ``value_fn(ValueContext)`` for each replica."""
-        devices = self._extended._devices
-        n = self.num_replicas_in_sync
-        backend = self._extended._backend
-        offset = self._extended._replica_offset  # ids among every worker's replicas
-        values = []
-        for r, device in enumerate(devices):
-            with backend.device_scope(device):
-                values.append(value_fn(ValueContext(offset + r, n)))
-        return regroup(values, always_wrap=True)
+        """Builds a ``PerReplica`` by calling ``value_fn(ValueContext)`` for each replica.
+
+        ``OneDeviceStrategy`` and the default strategy return ``value_fn``'s value
+        itself, called once with ``ValueContext()`` (as TF does).
+        """
+        return self._extended._distribute_values_from_function(value_fn)
 
     # -- input (implemented in polydist._input.input_lib) ---------------------------------
     def experimental_distribute_dataset(
