@@ -52,7 +52,7 @@ from polydist.data._input import (
     InputOptions,
     InputReplicationMode,
 )
-from polydist.data._nest import Nest, map_structure
+from polydist.data._nest import Nest, flatten, map_structure
 from polydist.data._options import AutoShardPolicy
 from polydist.data._rebatch import (
     legacy_rebatch_slices,
@@ -298,6 +298,7 @@ class DistributedDataset:
         infinite: bool,
         cardinality: int,
         passes: tuple[_IterableDataset, ...] = (),
+        partial_batches: Callable[[], bool] | None = None,
     ) -> None:
         # Built only by this module's functions; the arguments are internal.
         self._strategy = strategy
@@ -315,6 +316,8 @@ class DistributedDataset:
         # The plain re-iterables (DataLoaders) whose iter() each iteration calls
         # when it is made, one entry per pass it reads, in the order of its reads.
         self._passes = passes
+        # Whether replicas that run out first get empty batches (None: always).
+        self._partial_batches = partial_batches
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self)
@@ -383,7 +386,11 @@ class DistributedDataset:
         legacy = _legacy_split_input(self._pipelines, self._keep, len(self._devices))
         if legacy is not None:
             return self._split_elements(legacy)
-        steps = per_replica_batches_from_datasets(self._pipelines, self._replicas_per_pipeline)
+        steps = per_replica_batches_from_datasets(
+            self._pipelines,
+            self._replicas_per_pipeline,
+            True if self._partial_batches is None else self._partial_batches,
+        )
         keep = self._keep
         if keep is not None:
             steps = ([step[r] for r in keep] for step in steps)
@@ -678,9 +685,13 @@ def distribute_datasets_from_function(
     replica (``InputReplicationMode.PER_REPLICA``, single-worker strategies)
     with ``InputContext(num_replicas, replica_id, num_replicas_in_sync)``. It
     returns a ``Dataset`` (or an iterable) of *per-replica* batches: nothing is
-    rebatched or sharded. A worker's replicas take its elements round-robin;
-    when a pipeline runs out, its replicas get empty batches until every
-    pipeline is done.
+    rebatched or sharded. A worker's replicas take its elements round-robin.
+    When some replica runs out of data first, TF's partial-batch rule decides:
+    with several workers, or when this worker's (first) pipeline is finite and
+    its element_spec not fully static, the replicas without data get empty
+    batches until every pipeline is done; otherwise (one worker, a static
+    spec, e.g. ``batch(n, drop_remainder=True)``) iteration ends before the
+    first step some replica has no batch for, so no batch contradicts the spec.
     """
     if not callable(dataset_fn):
         raise TypeError(
@@ -722,7 +733,23 @@ def distribute_datasets_from_function(
         infinite,
         own.cardinality(),  # TF: its first (this worker's) dataset's
         tuple(p for p in pipelines if isinstance(p, _IterableDataset)),
+        lambda: _partial_batch_handling(layout, own),
     )
+
+
+def _partial_batch_handling(layout: _Layout, own: Dataset) -> bool:
+    """TF's ``_enable_get_next_as_optional`` for this worker's first dataset."""
+    if own.cardinality() == INFINITE_CARDINALITY:
+        return False
+    if layout.num_workers > 1:
+        return True
+    if isinstance(own, _IterableDataset) and own.peek_begins_a_pass:
+        return True  # its spec has unknown dims anyway; a peek would call iter() again
+    try:
+        spec = own.element_spec
+    except _SpecInferenceError:  # no element to infer a spec from: nothing to contradict
+        return True
+    return not all(None not in leaf.shape for leaf in flatten(spec)[0])
 
 
 def _from_fn_result(result: object, context: InputContext) -> Dataset:
