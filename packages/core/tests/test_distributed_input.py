@@ -820,6 +820,43 @@ def test_components_are_placed_on_each_replicas_device() -> None:
     assert backend.placed == [CPU, CPU]
 
 
+def test_a_refilled_source_buffer_does_not_corrupt_read_ahead_steps() -> None:
+    # A generator refilling one buffer before each yield: the iterator reads a
+    # step ahead, and the sim's place does not copy, so elements must not alias it.
+    buffer = np.zeros(4, np.float32)
+
+    def generate() -> Iterator[np.ndarray[Any, Any]]:
+        for k in range(3):
+            buffer[:] = np.arange(4) + 10 * k
+            yield buffer
+
+    strategy = pd.MirroredStrategy(2)
+    expected = [
+        [[0.0, 1.0], [2.0, 3.0]],
+        [[10.0, 11.0], [12.0, 13.0]],
+        [[20.0, 21.0], [22.0, 23.0]],
+    ]
+    assert steps(strategy.experimental_distribute_dataset(generate)) == expected
+    assert steps(strategy.experimental_distribute_dataset(generate())) == expected
+    signature = TensorSpec((4,), np.float32)
+    generated = Dataset.from_generator(generate, output_signature=signature)
+    assert steps(strategy.experimental_distribute_dataset(generated)) == expected
+    from_fn = strategy.distribute_datasets_from_function(lambda _: generate())
+    assert steps(from_fn) == [
+        [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]],
+        [[20.0, 21.0, 22.0, 23.0], []],
+    ]
+
+
+def test_a_list_of_batches_is_not_copied_on_the_sim() -> None:
+    # Its batches exist before the pass (nothing refills them): the split gives
+    # views and the sim's place keeps them, so the input path copies nothing.
+    batches = [np.arange(4.0, dtype=np.float32), np.arange(4.0, 8.0, dtype=np.float32)]
+    first = next(iter(pd.MirroredStrategy(2).experimental_distribute_dataset(batches)))
+    assert replicas(first) == [[0.0, 1.0], [2.0, 3.0]]
+    assert all(np.shares_memory(v, batches[0]) for v in first.values)
+
+
 def test_single_replica_strategies_give_plain_values() -> None:
     # TF logs the AUTO fallback for one worker too; polydist does not (nothing to shard).
     one = pd.OneDeviceStrategy("/gpu:0").experimental_distribute_dataset(Dataset.range(4).batch(2))

@@ -44,7 +44,7 @@ from polydist.data._dataset import (
     _ShardDataset,
 )
 from polydist.data._elements import _check_batched, _SpecInferenceError
-from polydist.data._nest import Nest, flatten, map_structure, to_array, unflatten
+from polydist.data._nest import Nest, flatten, map_structure, unflatten
 from polydist.data._options import AutoShardPolicy
 from polydist.data._sources import _FileDataset, _IterableDataset, as_dataset
 from polydist.data._spec import TensorSpec, empty_batch, leading_dims
@@ -656,6 +656,5 @@ def per_replica_batches_from_datasets(
 
 
 def _converted(source: Iterable[Nest]) -> Iterator[Nest]:
-    if isinstance(source, Dataset):
-        return iter(source)
-    return (map_structure(to_array, element) for element in source)
+    # A plain iterable is converted as a generator source (copies included).
+    return iter(as_dataset(source))
