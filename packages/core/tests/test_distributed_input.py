@@ -857,6 +857,31 @@ def test_a_list_of_batches_is_not_copied_on_the_sim() -> None:
     assert all(np.shares_memory(v, batches[0]) for v in first.values)
 
 
+class NarrowingSim(SimBackend):
+    """The sim, placing int64 as int32 like JAX without x64, and saying so."""
+
+    def place(self, value: Any, device: str) -> Any:
+        placed = super().place(value, device)
+        return placed.astype(np.int32) if placed.dtype == np.int64 else placed
+
+    def placed_dtype(self, dtype: np.dtype[Any]) -> np.dtype[Any]:
+        return np.dtype(np.int32) if dtype == np.int64 else dtype
+
+
+def test_element_spec_has_the_dtypes_a_backend_places() -> None:
+    assert pd.backend.features(NarrowingSim()).placed_dtype
+    strategy = pd.MirroredStrategy(2, backend=NarrowingSim())
+    data = {"i": np.arange(4), "f": np.arange(4, dtype=np.float32)}
+    dist = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(data).batch(4))
+    assert dist.element_spec == {
+        "i": PerReplicaSpec(*[TensorSpec((None,), np.int32)] * 2),
+        "f": PerReplicaSpec(*[TensorSpec((None,), np.float32)] * 2),
+    }
+    value = next(iter(dist))
+    assert value["i"].values[1].dtype == np.int32 and value["i"].values[1].tolist() == [2, 3]
+    assert dist.element_spec["i"].is_compatible_with(value["i"])
+
+
 def test_single_replica_strategies_give_plain_values() -> None:
     # TF logs the AUTO fallback for one worker too; polydist does not (nothing to shard).
     one = pd.OneDeviceStrategy("/gpu:0").experimental_distribute_dataset(Dataset.range(4).batch(2))

@@ -43,7 +43,7 @@ from polydist._base import context as _context
 from polydist._base.arrays import is_floating
 from polydist._base.devices import HOST_DEVICE, DeviceSpec
 from polydist._valuetypes.values import DistributedValues, PerReplica
-from polydist.backend._contract import SupportsPlacePerReplica, features
+from polydist.backend._contract import SupportsPlacedDtype, SupportsPlacePerReplica, features
 from polydist.data import _sources
 from polydist.data._dataset import INFINITE_CARDINALITY, Dataset
 from polydist.data._elements import _SpecInferenceError
@@ -361,6 +361,11 @@ class DistributedDataset:
 
     def _compute_element_spec(self) -> Any:
         spec = self._spec_source()
+        backend = self._layout.backend
+        if features(backend).placed_dtype:
+            # The values' dtypes after place (JAX without x64: int64 -> int32).
+            placed = cast(SupportsPlacedDtype, backend).placed_dtype
+            spec = map_structure(lambda s: TensorSpec(s.shape, placed(s.dtype)), spec)
         if self._layout.num_workers > 1 and not self._infinite:
             # TF's _rebatch_as_dynamic: any worker may get an empty batch.
             spec = map_structure(
