@@ -15,7 +15,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_testutil import assert_results_match
 
 import polydist as pd
-from polydist._input.input_lib import PerReplicaSpec
 from polydist.data import (
     AutoShardPolicy,
     Dataset,
@@ -347,15 +346,15 @@ def test_element_spec_has_the_dtypes_of_the_values_without_x64(jax_backend: JaxB
         "h": np.float16,
         "b": np.bool_,
     }
-    assert dist.element_spec == {
-        k: PerReplicaSpec(*[TensorSpec((None,), dtype)] * 2) for k, dtype in expected.items()
+    assert {k: spec.value_specs for k, spec in dist.element_spec.items()} == {
+        k: (TensorSpec((None,), dtype),) * 2 for k, dtype in expected.items()
     }
     assert dist.element_spec["i"].is_compatible_with(value["i"])
     assert dist.element_spec["f"].is_compatible_with(value["f"])
     from_fn = strategy.distribute_datasets_from_function(
         lambda _: Dataset.range(4).batch(2, drop_remainder=True)
     )
-    assert from_fn.element_spec == PerReplicaSpec(*[TensorSpec((2,), np.int32)] * 2)
+    assert from_fn.element_spec.value_specs == (TensorSpec((2,), np.int32),) * 2
     assert [c.tolist() for c in next(iter(from_fn)).values] == [[0, 1], [2, 3]]
     single = pd.MirroredStrategy(1, backend=jax_backend).experimental_distribute_dataset(
         Dataset.range(4).batch(2)
