@@ -882,6 +882,27 @@ def test_element_spec_has_the_dtypes_a_backend_places() -> None:
     assert dist.element_spec["i"].is_compatible_with(value["i"])
 
 
+def test_place_dataset_on_device_is_ignored_per_worker_with_a_warning() -> None:
+    # TF's MirroredExtended._input_workers_with_options: PER_WORKER without
+    # fetch_to_device uses host input workers; place_dataset_on_device is PER_REPLICA's.
+    backend = RecordingSim()
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    options = InputOptions(
+        experimental_fetch_to_device=False, experimental_place_dataset_on_device=True
+    )
+    with pytest.warns(UserWarning, match="has no effect in experimental_distribute_dataset"):
+        dist = strategy.experimental_distribute_dataset(data(Dataset.range(4).batch(4)), options)
+    backend.placed.clear()
+    assert steps(dist) == [[[0, 1], [2, 3]]]
+    assert backend.placed == [CPU, CPU]
+    fetched = InputOptions(experimental_place_dataset_on_device=True)  # on the devices, no warning
+    backend.placed.clear()
+    assert steps(
+        strategy.experimental_distribute_dataset(data(Dataset.range(4).batch(4)), fetched)
+    ) == [[[0, 1], [2, 3]]]
+    assert backend.placed == [gpu(0), gpu(1)]
+
+
 def test_single_replica_strategies_give_plain_values() -> None:
     # TF logs the AUTO fallback for one worker too; polydist does not (nothing to shard).
     one = pd.OneDeviceStrategy("/gpu:0").experimental_distribute_dataset(Dataset.range(4).batch(2))

@@ -626,6 +626,21 @@ def distribute_dataset(
     no ``AutoShardWarning``, since it has no options to set).
     """
     options = _check_options(options, from_function=False)
+    if (
+        options is not None
+        and options.experimental_place_dataset_on_device
+        and not options.experimental_fetch_to_device
+    ):
+        # TF accepts this and keeps the batches on the host: a silent trap.
+        warnings.warn(
+            "InputOptions(experimental_place_dataset_on_device=True) has no effect in "
+            "experimental_distribute_dataset: it applies only to PER_REPLICA pipelines of "
+            "distribute_datasets_from_function. With experimental_fetch_to_device=False the "
+            "batches stay on the host CPU, as in TF; set experimental_fetch_to_device=True "
+            "to place them on the replicas' devices.",
+            UserWarning,
+            stacklevel=3,
+        )
     one_shot = isinstance(dataset, Iterator)
     source, plain = _as_source(dataset, "experimental_distribute_dataset")
     layout = _layout(strategy)
@@ -782,7 +797,13 @@ def _value_devices(layout: _Layout, options: InputOptions | None) -> tuple[str, 
     """Where each replica's batch is placed: its device, or its host's CPU."""
     if options is None or options.experimental_fetch_to_device:
         return layout.devices
-    if options.experimental_place_dataset_on_device:  # PER_REPLICA, pipeline on the device
+    # TF's _input_workers_with_options: only a PER_REPLICA pipeline is placed on
+    # its device; PER_WORKER without fetching stays on the host whatever
+    # experimental_place_dataset_on_device says.
+    if (
+        options.experimental_place_dataset_on_device
+        and options.experimental_replication_mode == InputReplicationMode.PER_REPLICA
+    ):
         return layout.devices
     return tuple(_host_of(device) for device in layout.devices)
 
