@@ -15,7 +15,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_testutil import assert_results_match
 
 import polydist as pd
-from polydist.data import AutoShardPolicy, Dataset, InputContext, InputOptions, Options
+from polydist.data import (
+    AutoShardPolicy,
+    Dataset,
+    InputContext,
+    InputOptions,
+    Options,
+    TensorSpec,
+)
 from polydist_jax import AXIS, JaxBackend, _input, _spmd
 from polydist_sim import SimBackend
 
@@ -310,3 +317,54 @@ def test_jnp_values_are_transferred_to_their_replicas(jax_backend: JaxBackend) -
     for r, component in enumerate(value["x"].values):
         assert component.devices() == {jax.devices()[r]} and component.committed
         np.testing.assert_array_equal(np.asarray(component), rows(2 * r, 2))
+
+
+# ------------------------------------------------------------------------- element_spec
+
+
+def test_element_spec_has_the_dtypes_of_the_values_without_x64(jax_backend: JaxBackend) -> None:
+    # JAX's default (x64 off): device_put makes int64 int32 and float64 float32,
+    # and the spec says so, as a spec from tf.data describes its tensors.
+    strategy = pd.MirroredStrategy(2, backend=jax_backend)
+    data = {
+        "i": np.arange(8),
+        "f": np.arange(8, dtype=np.float64),
+        "h": np.arange(8, dtype=np.float16),
+        "b": np.arange(8) % 2 == 0,
+    }
+    dist = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(data).batch(4))
+    value = next(iter(dist))
+    assert [value[k].values[0].dtype for k in "ifhb"] == [
+        np.int32,
+        np.float32,
+        np.float16,
+        np.bool_,
+    ]
+    expected = {
+        "i": np.int32,
+        "f": np.float32,
+        "h": np.float16,
+        "b": np.bool_,
+    }
+    assert {k: spec.value_specs for k, spec in dist.element_spec.items()} == {
+        k: (TensorSpec((None,), dtype),) * 2 for k, dtype in expected.items()
+    }
+    assert dist.element_spec["i"].is_compatible_with(value["i"])
+    assert dist.element_spec["f"].is_compatible_with(value["f"])
+    from_fn = strategy.distribute_datasets_from_function(
+        lambda _: Dataset.range(4).batch(2, drop_remainder=True)
+    )
+    assert from_fn.element_spec.value_specs == (TensorSpec((2,), np.int32),) * 2
+    assert [c.tolist() for c in next(iter(from_fn)).values] == [[0, 1], [2, 3]]
+    single = pd.MirroredStrategy(1, backend=jax_backend).experimental_distribute_dataset(
+        Dataset.range(4).batch(2)
+    )
+    assert single.element_spec == TensorSpec((None,), np.int32)
+
+
+def test_element_spec_keeps_64_bit_dtypes_with_x64() -> None:
+    with jax.enable_x64(True):
+        strategy = pd.MirroredStrategy(2, backend=JaxBackend())
+        dist = strategy.experimental_distribute_dataset(Dataset.range(8).batch(4))
+        assert dist.element_spec.value_specs[0].dtype == np.int64
+        assert next(iter(dist)).values[0].dtype == np.int64

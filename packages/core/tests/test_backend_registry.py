@@ -206,6 +206,7 @@ def test_pack_by_dtype_packs_each_dtype_in_order_of_first_appearance() -> None:
 _OPTIONAL_METHODS = (
     "batch_all_reduce",
     "place_per_replica",
+    "placed_dtype",
     "store_variable",
     "with_reduction_order",
     "with_cross_device_ops",

@@ -138,6 +138,30 @@ def test_from_generator_without_signature_infers_dtypes_and_ranks() -> None:
         Dataset.from_generator([1, 2])  # type: ignore[arg-type]
 
 
+def refilling(buffer: np.ndarray) -> Any:
+    """A generator function that refills one buffer before each yield (a loader pattern)."""
+
+    def generate() -> Any:
+        for k in range(3):
+            buffer[:] = np.arange(buffer.size) + 10 * k
+            yield buffer
+
+    return generate
+
+
+def test_from_generator_elements_do_not_alias_a_refilled_buffer() -> None:
+    # TF's from_generator converts each yield to a new tensor.
+    buffer = np.zeros(2, np.float32)
+    signature = TensorSpec((2,), np.float32)
+    expected = [[0.0, 1.0], [10.0, 11.0], [20.0, 21.0]]
+    assert values(Dataset.from_generator(refilling(buffer), output_signature=signature)) == expected
+    assert values(Dataset.from_generator(refilling(buffer))) == expected
+    batched = Dataset.from_generator(refilling(buffer), output_signature=signature).batch(3)
+    assert values(batched) == [expected]
+    cast = Dataset.from_generator(refilling(buffer), output_signature=TensorSpec((2,), np.float64))
+    assert values(cast) == expected
+
+
 def test_text_line_dataset(tmp_path: Path) -> None:
     first = tmp_path / "a.txt"
     first.write_bytes(b"one\r\ntwo\n")

@@ -182,6 +182,43 @@ def test_from_function_round_robin_three_replicas() -> None:
     assert steps(dist) == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], []]]
 
 
+def test_from_function_static_spec_on_one_worker_stops_at_the_first_replica_out() -> None:
+    # TF: no partial-batch handling for a fully static element_spec on one
+    # worker (_enable_get_next_as_optional): the step replica 2 has no batch for
+    # ends iteration, rather than an empty batch contradicting the spec (2,).
+    strategy = pd.MirroredStrategy(3)
+    dist = strategy.distribute_datasets_from_function(
+        lambda ctx: Dataset.range(10).batch(2, drop_remainder=True)
+    )
+    assert dist.element_spec == PerReplicaSpec(*[TensorSpec((2,), np.int64)] * 3)
+    assert steps(dist) == [[[0, 1], [2, 3], [4, 5]]]
+    iterator = iter(dist)
+    assert replicas(iterator.get_next()) == [[0, 1], [2, 3], [4, 5]]
+    assert not iterator.get_next_as_optional().has_value()
+
+    # PER_REPLICA: the first pipeline's spec decides; replica 0 runs out first.
+    def per_replica_range(i: int) -> Dataset:
+        return Dataset.range(10 * i, 10 * i + 4 + 2 * i)
+
+    options = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)
+    each = strategy.distribute_datasets_from_function(
+        lambda ctx: per_replica_range(ctx.input_pipeline_id).batch(2, drop_remainder=True),
+        options,
+    )
+    assert steps(each) == [[[0, 1], [10, 11], [20, 21]], [[2, 3], [12, 13], [22, 23]]]
+
+    # An unknown dim anywhere (TF: not is_fully_defined) turns the handling on.
+    def rows() -> Iterator[Any]:
+        for k in range(4):
+            yield np.full((2, 1), k, np.int64)
+
+    signature = TensorSpec((2, None), np.int64)
+    padded = strategy.distribute_datasets_from_function(
+        lambda ctx: Dataset.from_generator(rows, output_signature=signature)
+    )
+    assert steps(padded) == [[[[0], [0]], [[1], [1]], [[2], [2]]], [[[3], [3]], [], []]]
+
+
 def test_empty_batches_keep_dtype_and_inner_dims() -> None:
     pairs = (np.arange(10, dtype=np.int32), np.ones((10, 3), dtype=np.float32))
     dist = distribute(3, data(Dataset.from_tensor_slices(pairs).batch(4)))
@@ -783,6 +820,89 @@ def test_components_are_placed_on_each_replicas_device() -> None:
     assert backend.placed == [CPU, CPU]
 
 
+def test_a_refilled_source_buffer_does_not_corrupt_read_ahead_steps() -> None:
+    # A generator refilling one buffer before each yield: the iterator reads a
+    # step ahead, and the sim's place does not copy, so elements must not alias it.
+    buffer = np.zeros(4, np.float32)
+
+    def generate() -> Iterator[np.ndarray[Any, Any]]:
+        for k in range(3):
+            buffer[:] = np.arange(4) + 10 * k
+            yield buffer
+
+    strategy = pd.MirroredStrategy(2)
+    expected = [
+        [[0.0, 1.0], [2.0, 3.0]],
+        [[10.0, 11.0], [12.0, 13.0]],
+        [[20.0, 21.0], [22.0, 23.0]],
+    ]
+    assert steps(strategy.experimental_distribute_dataset(generate)) == expected
+    assert steps(strategy.experimental_distribute_dataset(generate())) == expected
+    signature = TensorSpec((4,), np.float32)
+    generated = Dataset.from_generator(generate, output_signature=signature)
+    assert steps(strategy.experimental_distribute_dataset(generated)) == expected
+    from_fn = strategy.distribute_datasets_from_function(lambda _: generate())
+    assert steps(from_fn) == [
+        [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]],
+        [[20.0, 21.0, 22.0, 23.0], []],
+    ]
+
+
+def test_a_list_of_batches_is_not_copied_on_the_sim() -> None:
+    # Its batches exist before the pass (nothing refills them): the split gives
+    # views and the sim's place keeps them, so the input path copies nothing.
+    batches = [np.arange(4.0, dtype=np.float32), np.arange(4.0, 8.0, dtype=np.float32)]
+    first = next(iter(pd.MirroredStrategy(2).experimental_distribute_dataset(batches)))
+    assert replicas(first) == [[0.0, 1.0], [2.0, 3.0]]
+    assert all(np.shares_memory(v, batches[0]) for v in first.values)
+
+
+class NarrowingSim(SimBackend):
+    """The sim, placing int64 as int32 like JAX without x64, and saying so."""
+
+    def place(self, value: Any, device: str) -> Any:
+        placed = super().place(value, device)
+        return placed.astype(np.int32) if placed.dtype == np.int64 else placed
+
+    def placed_dtype(self, dtype: np.dtype[Any]) -> np.dtype[Any]:
+        return np.dtype(np.int32) if dtype == np.int64 else dtype
+
+
+def test_element_spec_has_the_dtypes_a_backend_places() -> None:
+    assert pd.backend.features(NarrowingSim()).placed_dtype
+    strategy = pd.MirroredStrategy(2, backend=NarrowingSim())
+    data = {"i": np.arange(4), "f": np.arange(4, dtype=np.float32)}
+    dist = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(data).batch(4))
+    assert dist.element_spec == {
+        "i": PerReplicaSpec(*[TensorSpec((None,), np.int32)] * 2),
+        "f": PerReplicaSpec(*[TensorSpec((None,), np.float32)] * 2),
+    }
+    value = next(iter(dist))
+    assert value["i"].values[1].dtype == np.int32 and value["i"].values[1].tolist() == [2, 3]
+    assert dist.element_spec["i"].is_compatible_with(value["i"])
+
+
+def test_place_dataset_on_device_is_ignored_per_worker_with_a_warning() -> None:
+    # TF's MirroredExtended._input_workers_with_options: PER_WORKER without
+    # fetch_to_device uses host input workers; place_dataset_on_device is PER_REPLICA's.
+    backend = RecordingSim()
+    strategy = pd.MirroredStrategy(2, backend=backend)
+    options = InputOptions(
+        experimental_fetch_to_device=False, experimental_place_dataset_on_device=True
+    )
+    with pytest.warns(UserWarning, match="has no effect in experimental_distribute_dataset"):
+        dist = strategy.experimental_distribute_dataset(data(Dataset.range(4).batch(4)), options)
+    backend.placed.clear()
+    assert steps(dist) == [[[0, 1], [2, 3]]]
+    assert backend.placed == [CPU, CPU]
+    fetched = InputOptions(experimental_place_dataset_on_device=True)  # on the devices, no warning
+    backend.placed.clear()
+    assert steps(
+        strategy.experimental_distribute_dataset(data(Dataset.range(4).batch(4)), fetched)
+    ) == [[[0, 1], [2, 3]]]
+    assert backend.placed == [gpu(0), gpu(1)]
+
+
 def test_single_replica_strategies_give_plain_values() -> None:
     # TF logs the AUTO fallback for one worker too; polydist does not (nothing to shard).
     one = pd.OneDeviceStrategy("/gpu:0").experimental_distribute_dataset(Dataset.range(4).batch(2))
@@ -878,6 +998,20 @@ def test_mwms_from_function_last_partial_batch_and_contexts() -> None:
     per_replica = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)
     with pytest.raises(NotImplementedError, match="single-worker"):
         mwms(2).distribute_datasets_from_function(dataset_fn, per_replica)
+
+
+def test_mwms_from_function_static_spec_still_gives_empty_batches() -> None:
+    # TF: several workers always have partial-batch handling (finite data), and
+    # the element_spec's batch dim becomes None (_rebatch_as_dynamic).
+    def dataset_fn(context: InputContext) -> Dataset:
+        start = 10 * context.input_pipeline_id
+        return Dataset.range(start, start + 4 + 2 * context.input_pipeline_id).batch(
+            2, drop_remainder=True
+        )
+
+    dist = mwms(2).distribute_datasets_from_function(dataset_fn)
+    assert dist.element_spec == PerReplicaSpec(*[TensorSpec((None,), np.int64)] * 2)
+    assert steps(dist) == [[[0, 1], [10, 11]], [[2, 3], [12, 13]], [[], [14, 15]]]
 
 
 def test_mwms_cardinality() -> None:

@@ -231,6 +231,19 @@ class JaxBackend:
         mesh_of = self._compiled._mesh if self.jit else None
         return _input.place_per_replica(self.place, mesh_of, values, devices)
 
+    def placed_dtype(self, dtype: np.dtype[Any]) -> np.dtype[Any]:
+        """Core's optional input hook: the dtype ``place`` gives a NumPy array of ``dtype``.
+
+        ``device_put`` canonicalizes with the x64 mode in force (off: 64-bit
+        types become 32-bit), so a distributed dataset's ``element_spec`` says so.
+        """
+        if dtype.kind not in "biufcV":  # strings and objects: not jax types, kept
+            return dtype
+        try:
+            return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+        except TypeError:
+            return dtype
+
     def to_numpy(self, value: Any) -> np.ndarray:
         return np.asarray(value)
 

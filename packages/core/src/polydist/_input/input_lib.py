@@ -43,7 +43,7 @@ from polydist._base import context as _context
 from polydist._base.arrays import is_floating
 from polydist._base.devices import HOST_DEVICE, DeviceSpec
 from polydist._valuetypes.values import DistributedValues, PerReplica
-from polydist.backend._contract import SupportsPlacePerReplica, features
+from polydist.backend._contract import SupportsPlacedDtype, SupportsPlacePerReplica, features
 from polydist.data import _sources
 from polydist.data._dataset import INFINITE_CARDINALITY, Dataset
 from polydist.data._elements import _SpecInferenceError
@@ -52,7 +52,7 @@ from polydist.data._input import (
     InputOptions,
     InputReplicationMode,
 )
-from polydist.data._nest import Nest, map_structure
+from polydist.data._nest import Nest, flatten, map_structure
 from polydist.data._options import AutoShardPolicy
 from polydist.data._rebatch import (
     legacy_rebatch_slices,
@@ -298,6 +298,7 @@ class DistributedDataset:
         infinite: bool,
         cardinality: int,
         passes: tuple[_IterableDataset, ...] = (),
+        partial_batches: Callable[[], bool] | None = None,
     ) -> None:
         # Built only by this module's functions; the arguments are internal.
         self._strategy = strategy
@@ -315,6 +316,8 @@ class DistributedDataset:
         # The plain re-iterables (DataLoaders) whose iter() each iteration calls
         # when it is made, one entry per pass it reads, in the order of its reads.
         self._passes = passes
+        # Whether replicas that run out first get empty batches (None: always).
+        self._partial_batches = partial_batches
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self)
@@ -358,6 +361,11 @@ class DistributedDataset:
 
     def _compute_element_spec(self) -> Any:
         spec = self._spec_source()
+        backend = self._layout.backend
+        if features(backend).placed_dtype:
+            # The values' dtypes after place (JAX without x64: int64 -> int32).
+            placed = cast(SupportsPlacedDtype, backend).placed_dtype
+            spec = map_structure(lambda s: TensorSpec(s.shape, placed(s.dtype)), spec)
         if self._layout.num_workers > 1 and not self._infinite:
             # TF's _rebatch_as_dynamic: any worker may get an empty batch.
             spec = map_structure(
@@ -383,7 +391,11 @@ class DistributedDataset:
         legacy = _legacy_split_input(self._pipelines, self._keep, len(self._devices))
         if legacy is not None:
             return self._split_elements(legacy)
-        steps = per_replica_batches_from_datasets(self._pipelines, self._replicas_per_pipeline)
+        steps = per_replica_batches_from_datasets(
+            self._pipelines,
+            self._replicas_per_pipeline,
+            True if self._partial_batches is None else self._partial_batches,
+        )
         keep = self._keep
         if keep is not None:
             steps = ([step[r] for r in keep] for step in steps)
@@ -614,6 +626,21 @@ def distribute_dataset(
     no ``AutoShardWarning``, since it has no options to set).
     """
     options = _check_options(options, from_function=False)
+    if (
+        options is not None
+        and options.experimental_place_dataset_on_device
+        and not options.experimental_fetch_to_device
+    ):
+        # TF accepts this and keeps the batches on the host: a silent trap.
+        warnings.warn(
+            "InputOptions(experimental_place_dataset_on_device=True) has no effect in "
+            "experimental_distribute_dataset: it applies only to PER_REPLICA pipelines of "
+            "distribute_datasets_from_function. With experimental_fetch_to_device=False the "
+            "batches stay on the host CPU, as in TF; set experimental_fetch_to_device=True "
+            "to place them on the replicas' devices.",
+            UserWarning,
+            stacklevel=3,
+        )
     one_shot = isinstance(dataset, Iterator)
     source, plain = _as_source(dataset, "experimental_distribute_dataset")
     layout = _layout(strategy)
@@ -678,9 +705,13 @@ def distribute_datasets_from_function(
     replica (``InputReplicationMode.PER_REPLICA``, single-worker strategies)
     with ``InputContext(num_replicas, replica_id, num_replicas_in_sync)``. It
     returns a ``Dataset`` (or an iterable) of *per-replica* batches: nothing is
-    rebatched or sharded. A worker's replicas take its elements round-robin;
-    when a pipeline runs out, its replicas get empty batches until every
-    pipeline is done.
+    rebatched or sharded. A worker's replicas take its elements round-robin.
+    When some replica runs out of data first, TF's partial-batch rule decides:
+    with several workers, or when this worker's (first) pipeline is finite and
+    its element_spec not fully static, the replicas without data get empty
+    batches until every pipeline is done; otherwise (one worker, a static
+    spec, e.g. ``batch(n, drop_remainder=True)``) iteration ends before the
+    first step some replica has no batch for, so no batch contradicts the spec.
     """
     if not callable(dataset_fn):
         raise TypeError(
@@ -722,7 +753,23 @@ def distribute_datasets_from_function(
         infinite,
         own.cardinality(),  # TF: its first (this worker's) dataset's
         tuple(p for p in pipelines if isinstance(p, _IterableDataset)),
+        lambda: _partial_batch_handling(layout, own),
     )
+
+
+def _partial_batch_handling(layout: _Layout, own: Dataset) -> bool:
+    """TF's ``_enable_get_next_as_optional`` for this worker's first dataset."""
+    if own.cardinality() == INFINITE_CARDINALITY:
+        return False
+    if layout.num_workers > 1:
+        return True
+    if isinstance(own, _IterableDataset) and own.peek_begins_a_pass:
+        return True  # its spec has unknown dims anyway; a peek would call iter() again
+    try:
+        spec = own.element_spec
+    except _SpecInferenceError:  # no element to infer a spec from: nothing to contradict
+        return True
+    return not all(None not in leaf.shape for leaf in flatten(spec)[0])
 
 
 def _from_fn_result(result: object, context: InputContext) -> Dataset:
@@ -750,7 +797,13 @@ def _value_devices(layout: _Layout, options: InputOptions | None) -> tuple[str, 
     """Where each replica's batch is placed: its device, or its host's CPU."""
     if options is None or options.experimental_fetch_to_device:
         return layout.devices
-    if options.experimental_place_dataset_on_device:  # PER_REPLICA, pipeline on the device
+    # TF's _input_workers_with_options: only a PER_REPLICA pipeline is placed on
+    # its device; PER_WORKER without fetching stays on the host whatever
+    # experimental_place_dataset_on_device says.
+    if (
+        options.experimental_place_dataset_on_device
+        and options.experimental_replication_mode == InputReplicationMode.PER_REPLICA
+    ):
         return layout.devices
     return tuple(_host_of(device) for device in layout.devices)
 

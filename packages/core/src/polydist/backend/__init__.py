@@ -55,6 +55,7 @@ from polydist.backend._contract import SupportsCrossDeviceOps as SupportsCrossDe
 from polydist.backend._contract import SupportsDirectRun as SupportsDirectRun
 from polydist.backend._contract import SupportsHostArrayCopies as SupportsHostArrayCopies
 from polydist.backend._contract import SupportsLocalTPUSystem as SupportsLocalTPUSystem
+from polydist.backend._contract import SupportsPlacedDtype as SupportsPlacedDtype
 from polydist.backend._contract import SupportsPlacePerReplica as SupportsPlacePerReplica
 from polydist.backend._contract import SupportsPlaceVariable as SupportsPlaceVariable
 from polydist.backend._contract import SupportsPreparedRun as SupportsPreparedRun
@@ -95,6 +96,7 @@ __all__ = [
     "SupportsCrossDeviceOps",
     "SupportsLocalTPUSystem",
     "SupportsPlacePerReplica",
+    "SupportsPlacedDtype",
     "SupportsReductionOrder",
     "SupportsSimulatedDevices",
     "SupportsHostArrayCopies",

@@ -338,6 +338,16 @@ class SupportsPlacePerReplica(Protocol):
 
 
 @runtime_checkable
+class SupportsPlacedDtype(Protocol):
+    """Says the dtype ``place`` gives a NumPy array of ``dtype`` when it differs (JAX
+    without x64 narrows 64-bit types to 32 bits), so a distributed dataset's
+    ``element_spec`` describes the values its iterator yields. Without it core
+    assumes ``place`` keeps the dtype."""
+
+    def placed_dtype(self, dtype: np.dtype[Any]) -> np.dtype[Any]: ...
+
+
+@runtime_checkable
 class SupportsStoreVariable(Protocol):
     """Decides what a variable component stores when its value becomes ``new`` (torch
     writes into the stored tensor, so a parameter keeps seeing the variable's storage).
@@ -417,6 +427,7 @@ class Features:
     symbolic_values: bool = False
     batch_all_reduce: bool = False
     place_per_replica: bool = False
+    placed_dtype: bool = False
     store_variable: bool = False
     reduction_order: bool = False
     cross_device_ops: bool = False
@@ -439,6 +450,7 @@ class Features:
             symbolic_values=isinstance(backend, SupportsSymbolicValues),
             batch_all_reduce=isinstance(backend, SupportsBatchAllReduce),
             place_per_replica=isinstance(backend, SupportsPlacePerReplica),
+            placed_dtype=isinstance(backend, SupportsPlacedDtype),
             store_variable=isinstance(backend, SupportsStoreVariable),
             reduction_order=isinstance(backend, SupportsReductionOrder),
             cross_device_ops=isinstance(backend, SupportsCrossDeviceOps),

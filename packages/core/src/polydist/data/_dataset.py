@@ -262,6 +262,8 @@ class Dataset(abc.ABC):
         With ``output_signature`` (a nest of ``TensorSpec``) each element is cast
         to it and checked, as TF does; without one, leaves convert like
         ``from_tensor_slices`` and ``element_spec`` is read from the first element.
+        Each yielded array is copied as it is converted (TF makes a new tensor),
+        so the generator may refill one buffer before every yield.
         """
         if not callable(generator):
             raise TypeError(
@@ -283,6 +285,7 @@ class Dataset(abc.ABC):
 
         The file list stays visible to FILE auto-sharding, which gives worker
         ``w`` of ``W`` the files ``filenames[w::W]`` (like TFRecordDataset).
+        As in ``from_generator``, each yielded array is copied as it is converted.
         """
         from polydist.data._sources import _FileDataset  # the sources subclass Dataset
 

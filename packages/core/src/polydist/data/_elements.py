@@ -35,10 +35,33 @@ def _call(fn: Callable[..., Any], element: Nest) -> Any:
     return fn(*element) if type(element) is tuple else fn(element)
 
 
-def _conform(value: Nest, signature: Nest | None, producer: str) -> Nest:
-    """Convert a produced element, checking it against ``signature`` when given."""
+# Leaves whose conversion always builds a new array (nothing to alias).
+_CONVERTED_AFRESH = (bool, int, float, complex, str, bytes, list, np.generic)
+
+
+def _owned(leaf: object, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``array`` (``leaf`` converted), copied if it may be the producer's memory.
+
+    A generator may refill one buffer before each yield; the element is held
+    while the next is produced (batching, read-ahead), so it must not alias
+    it. TF's conversion to a tensor copies likewise.
+    """
+    return array if isinstance(leaf, _CONVERTED_AFRESH) else array.copy()
+
+
+def _to_owned_array(leaf: object) -> np.ndarray[Any, Any]:
+    return _owned(leaf, to_array(leaf))
+
+
+def _conform(value: Nest, signature: Nest | None, producer: str, *, copy: bool = True) -> Nest:
+    """Convert a produced element, checking it against ``signature`` when given.
+
+    ``copy``: the arrays may not alias the produced ones (see ``_owned``); False
+    only for elements that exist before the pass (a list's), which no producer
+    refills.
+    """
     if signature is None:
-        return map_structure(to_array, value)
+        return map_structure(_to_owned_array if copy else to_array, value)
     spec_leaves, spec_tree = flatten(signature)
     try:
         leaves = spec_tree.flatten_up_to(value)
@@ -63,7 +86,10 @@ def _conform(value: Nest, signature: Nest | None, producer: str) -> Nest:
                 f"{leaf!r} of dtype {array.dtype}."
             )
         if spec.dtype.kind not in "US":
-            array = array.astype(spec.dtype, copy=False)
+            cast = array.astype(spec.dtype, copy=False)
+            array = _owned(leaf, cast) if copy and cast is array else cast
+        elif copy:
+            array = _owned(leaf, array)
         if not spec.is_compatible_with(TensorSpec(array.shape, spec.dtype)):
             raise ValueError(
                 f"{producer} yielded an element of shape {array.shape} where an element of "

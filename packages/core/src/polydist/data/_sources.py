@@ -41,9 +41,12 @@ class _ProducedDataset(Dataset):
     @abc.abstractmethod
     def _produce(self) -> Iterable[Nest]: ...
 
+    # Whether elements are copied off the producer's arrays (see _conform).
+    _copies = True
+
     def _iterate(self) -> Iterator[Nest]:
         for value in self._produce():
-            yield _conform(value, self._signature, self._producer)
+            yield _conform(value, self._signature, self._producer, copy=self._copies)
 
     def _compute_cardinality(self) -> int:
         return UNKNOWN_CARDINALITY
@@ -172,6 +175,8 @@ class _IterableDataset(_ProducedDataset):
             isinstance(iterable, list | tuple) if free_to_read is None else free_to_read
         )
         self._peeked: tuple[Iterator[Nest], object] | None = None
+        # A list's elements exist before the pass: nothing refills them, no copy.
+        self._copies = not self._free_to_read
 
     @property
     def peek_begins_a_pass(self) -> bool:
@@ -212,7 +217,7 @@ class _IterableDataset(_ProducedDataset):
                 f"Cannot infer the element_spec of {self._op_name}: the iterable produced no "
                 "element."
             )
-        return with_unknown_dims(spec_of(_conform(first, None, self._producer)))
+        return with_unknown_dims(spec_of(_conform(first, None, self._producer, copy=False)))
 
 
 def as_dataset(source: object) -> Dataset:
