@@ -528,8 +528,12 @@ def _check(
 def _check_state(
     slot: _StateSlot, doc: JSONValue, keys: list[str], manifest: Manifest, problems: list[str]
 ) -> None:
-    """Where the object's current state dict has tensors, the saved one must have the same
-    (load_state_dict may copy some before it raises on the others)."""
+    """Where a module's current state dict has tensors, the saved one must have the same
+    (load_state_dict may copy some before it raises on the others). An optimizer's saved
+    state replaces its current one, as torch's ``Optimizer.load_state_dict`` does: per
+    parameter state on one side only is fine (a checkpoint saved before the first step,
+    a parameter that had no gradient yet); its parameter groups must have the same sizes,
+    and a tensor on both sides the same shape and dtype."""
     current: dict[str, np.ndarray] = {}
     try:
         now = slot.obj.state_dict()
@@ -547,7 +551,7 @@ def _check_state(
             f"{slot.path!r} ({type(slot.obj).__name__}) has parameter groups of sizes "
             f"{now_groups} but the checkpoint holds {saved_groups}"
         )
-    if current:
+    if current and not _is_optimizer_state(now):
         extra = [k for k in current if k not in keys]
         absent = [k for k in keys if k not in current]
         for k in extra[:5]:
@@ -558,6 +562,17 @@ def _check_state(
         if k in current:
             spec = manifest.arrays[k]
             _check(k, current[k], (spec.shape, spec.dtype.name), problems)  # type: ignore[arg-type]
+
+
+def _is_optimizer_state(state: Any) -> bool:
+    """A torch optimizer's state dict: exactly ``state`` (a mapping) and ``param_groups``
+    (a list); its ``load_state_dict`` replaces the state (checks the groups first)."""
+    return (
+        isinstance(state, Mapping)
+        and set(state) == {"state", "param_groups"}
+        and isinstance(state["state"], Mapping)
+        and isinstance(state["param_groups"], list)
+    )
 
 
 def _group_sizes(state: Any) -> list[int] | None:
