@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from polydist._base.arrays import dtype_name
 from polydist.checkpoint._io import (
     FORMAT_VERSION,
     CheckpointError,
@@ -110,7 +111,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     total = 0
     for name, spec in manifest.arrays.items():
         rows.append(
-            (name or "''", str(tuple(spec.shape)), spec.dtype.name, _describe(manifest, name))
+            (
+                name or "''",
+                str(tuple(spec.shape)),
+                dtype_name(spec.dtype),
+                _describe(manifest, name),
+            )
         )
         total += spec.nbytes
     widths = [max(len(r[i]) for r in rows) for i in range(3)]

@@ -456,7 +456,7 @@ class Checkpoint:
                 want = (tuple(slot.var.shape), dtype_name(slot.var.dtype))
                 if slot.var is self._save_counter:
                     want = ((), "int64")
-                _check(slot.key, want, (spec.shape, spec.dtype.name), problems)
+                _check(slot.key, want, (spec.shape, dtype_name(spec.dtype)), problems)
                 consumed[slot.key] = None
                 plan.append((slot, [slot.key]))
             elif isinstance(slot, _StateSlot):
@@ -478,7 +478,7 @@ class Checkpoint:
                     continue
                 for key, leaf in leaves:
                     spec = manifest.arrays[key]
-                    _check(key, _leaf_spec(leaf), (spec.shape, spec.dtype.name), problems)
+                    _check(key, _leaf_spec(leaf), (spec.shape, dtype_name(spec.dtype)), problems)
                 consumed.update(dict.fromkeys(k for k, _ in leaves))
                 plan.append((slot, (nest, leaves)))
         if problems:
@@ -561,7 +561,7 @@ def _check_state(
     for k in keys:
         if k in current:
             spec = manifest.arrays[k]
-            _check(k, current[k], (spec.shape, spec.dtype.name), problems)  # type: ignore[arg-type]
+            _check(k, current[k], (spec.shape, dtype_name(spec.dtype)), problems)  # type: ignore[arg-type]
 
 
 def _is_optimizer_state(state: Any) -> bool:
