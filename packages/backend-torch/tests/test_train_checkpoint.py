@@ -121,3 +121,118 @@ def test_an_optimizer_of_other_parameter_groups_changes_nothing(tmp_path: Path) 
     with pytest.raises(CheckpointMismatchError, match=r"parameter groups of sizes \[2\].*\[5\]"):
         Checkpoint(model=net2, optimizer=fewer, v=v2).restore(path)
     assert weights(net2) == before and float(v2.numpy()) == 0.0
+
+
+# An optimizer's saved state replaces its current one, as torch's load_state_dict does
+# (per-parameter state on one side only is no mismatch).
+
+
+def torch_reference(saved_net: dict[str, bytes], net_state: dict, opt_state: dict) -> Net:
+    """A fresh Net and Adam loaded with torch's own load_state_dict (the reference)."""
+    ref, ref_opt = make(7)
+    ref.load_state_dict(net_state)
+    ref_opt.load_state_dict(opt_state)
+    assert weights(ref) == saved_net
+    step(ref, ref_opt, 20)
+    return ref
+
+
+def test_rollback_to_a_checkpoint_saved_before_the_first_step(tmp_path: Path) -> None:
+    import copy
+
+    net, opt = make(0)
+    checkpoint = Checkpoint(model=net, optimizer=opt)
+    p0 = CheckpointManager(checkpoint, tmp_path, max_to_keep=5).save()
+    saved = weights(net)
+    net_state, opt_state = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+    assert opt_state["state"] == {}
+    for s in range(2):
+        step(net, opt, s)
+    assert opt.state_dict()["state"]
+    checkpoint.restore(p0).assert_consumed()
+    assert weights(net) == saved and opt.state_dict()["state"] == {}
+    step(net, opt, 20)
+    assert weights(net) == weights(torch_reference(saved, net_state, opt_state))
+
+
+@pytest.mark.parametrize("live_has_more", [True, False])
+def test_optimizer_state_over_other_parameters_restores(
+    tmp_path: Path, live_has_more: bool
+) -> None:
+    """The saved Adam state covers other parameters than the live one (a parameter that
+    had no gradient yet on one side): restored as torch's load_state_dict restores it."""
+    import copy
+
+    def partial_step(net: Net, opt: torch.optim.Optimizer) -> None:
+        net.out.weight.requires_grad_(False)  # no gradient: no Adam state for it
+        step(net, opt, 3)
+        net.out.weight.requires_grad_(True)
+
+    net, opt = make(0)
+    if live_has_more:
+        partial_step(net, opt)  # the saved state lacks out.weight's
+    else:
+        step(net, opt, 3)
+    checkpoint = Checkpoint(model=net, optimizer=opt)
+    path = checkpoint.save(tmp_path / "ckpt")
+    saved = weights(net)
+    net_state, opt_state = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+    if live_has_more:
+        step(net, opt, 4)  # now every parameter has state
+    else:
+        net, opt = make(1)
+        partial_step(net, opt)  # the live state lacks out.weight's
+        checkpoint = Checkpoint(model=net, optimizer=opt)
+    assert len(opt.state_dict()["state"]) != len(opt_state["state"])
+    checkpoint.restore(path).assert_consumed()
+    assert weights(net) == saved
+    assert sorted(opt.state_dict()["state"]) == sorted(opt_state["state"])
+    step(net, opt, 20)
+    assert weights(net) == weights(torch_reference(saved, net_state, opt_state))
+
+
+def test_distributed_rollback_to_a_checkpoint_saved_before_the_first_step(
+    tmp_path: Path, cpu_only: None
+) -> None:
+    import copy
+
+    import polydist as pd
+    import polydist_torch
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(3, 2)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 3, generator=g) for _ in range(3)]
+
+    def build() -> tuple[pd.Strategy, torch.nn.Module, torch.optim.Optimizer]:
+        strategy = pd.MirroredStrategy(["/cpu:0", "/cpu:1"], backend="torch")
+        with strategy.scope():
+            model = polydist_torch.distribute_module(copy.deepcopy(base))
+            opt = polydist_torch.distribute_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+        return strategy, model, opt
+
+    def train(
+        strategy: pd.Strategy, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
+    ) -> None:
+        def replica_step(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).pow(2).sum() / 8
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        strategy.run(replica_step, args=(pd.PerReplica([x[:4], x[4:]]),))
+
+    strategy, model, opt = build()
+    checkpoint = Checkpoint(model=model, optimizer=opt)
+    p0 = CheckpointManager(checkpoint, tmp_path, max_to_keep=5).save()
+    for x in batches[:2]:
+        train(strategy, model, opt, x)
+    checkpoint.restore(p0).assert_consumed()
+    assert all(not r.state for r in opt.replicas)  # every replica's state replaced
+    train(strategy, model, opt, batches[2])
+    fresh_strategy, fresh, fresh_opt = build()  # never trained: the step-0 state
+    train(fresh_strategy, fresh, fresh_opt, batches[2])
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    pd.debugging.check_replicas_identical(strategy)

@@ -4,6 +4,7 @@ item 4): the tensors are a safetensors file that ``safetensors.numpy.load_file``
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import pytest
 import polydist as pd
 from polydist import checkpoint
 from polydist._tools.cli import main
+from polydist.checkpoint._io import read_pointer
 
 VA = pd.VariableAggregation
 VS = pd.VariableSynchronization
@@ -118,6 +120,45 @@ def test_convert_rewrites_legacy_checkpoints(
     checkpoint.restore(new / "ckpt-2", w)
     assert w.numpy().tolist() == [0.0, 1.0, 2.0]
     assert main(["checkpoint", "convert", str(tmp_path / "nope"), str(new)]) == 2
+
+
+def test_convert_keeps_names_and_what_a_manager_manages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CheckpointManager's model-<n> checkpoints keep their names, and its pointer
+    entries (the managed checkpoints, their timestamps): a manager of the same
+    checkpoint_name on the converted directory manages them (once renamed ckpt-<n>, and
+    the list dropped: it managed nothing)."""
+    w = pd.Variable(np.float32(1.0), name="w")
+    ck = pd.train.Checkpoint(w=w)
+    src = tmp_path / "src"
+    manager = pd.train.CheckpointManager(ck, src, max_to_keep=3, checkpoint_name="model")
+    for i in range(4):
+        w.assign(np.float32(i))
+        manager.save()
+    want = read_pointer(src)
+    assert want is not None and want["all"] == ["model-2", "model-3", "model-4"]
+    dst = tmp_path / "dst"
+    assert main(["checkpoint", "convert", str(src), str(dst)]) == 0
+    assert f"-> {dst / 'model-4'}" in capsys.readouterr().out
+    assert [p.name for p in checkpoint.list_checkpoints(dst)] == ["model-2", "model-3", "model-4"]
+    got = read_pointer(dst)
+    assert got is not None
+    for key in ("latest", "all", "timestamps", "last_preserved_timestamp"):
+        assert got[key] == want[key], key
+    w2 = pd.Variable(np.float32(0.0), name="w")
+    ck2 = pd.train.Checkpoint(w=w2)
+    again = pd.train.CheckpointManager(ck2, dst, max_to_keep=3, checkpoint_name="model")
+    assert again.checkpoints == [os.fspath(dst / f"model-{n}") for n in (2, 3, 4)]
+    assert again.restore_or_initialize() == os.fspath(dst / "model-4")
+    assert float(w2.numpy()) == 3.0
+    again.save()  # it goes on: model-5, and model-2 pruned
+    assert [p.name for p in checkpoint.list_checkpoints(dst)] == ["model-3", "model-4", "model-5"]
+    # one checkpoint as SRC: its own name too
+    one = tmp_path / "one"
+    assert main(["checkpoint", "convert", str(src / "model-3"), str(one)]) == 0
+    assert checkpoint.latest_checkpoint(one) == one / "model-3"
+    assert checkpoint.read_manifest(one).step == 3
 
 
 def test_inspect_a_train_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -204,6 +204,55 @@ class TestRoundTrip:
             got = np.asarray(v.read_value())
             assert (got.dtype, got.tobytes()) == (want[k].dtype, want[k].tobytes()), k
 
+    def test_byte_order_restores_bit_for_bit(self, tmp_path: Path) -> None:
+        """A big-endian variable restores into the very variable it was saved from, its
+        bytes and byte order as they were (once refused: '>i4' was compared with
+        'int32'); a variable of the other byte order does not take it."""
+        s = pd.MirroredStrategy(2)
+        init = {
+            "i": np.array([1, -2, 2**30], ">i4"),
+            "f": np.array([1.5, -0.0, np.inf], ">f8"),
+            "h": np.array([0.1, -2.0], ">f2"),
+            "z": np.array([complex(1, -0.0)], ">c16"),
+            "n": np.array([3, 4], "<i4"),
+        }
+        with s.scope():
+            vs = {k: pd.Variable(a, name=k) for k, a in init.items()}
+            count = pd.Variable(
+                np.array([7], ">i8"), name="count", synchronization=VS.ON_READ, aggregation=VA.SUM
+            )
+        total = np.asarray(count.read_value())  # 14: each copy starts at 7
+        path = checkpoint.save(tmp_path, s)
+        for v in [*vs.values(), count]:
+            v.assign(np.zeros(v.shape, v.dtype))
+        checkpoint.restore(path, s)
+        for k, v in vs.items():
+            for c in v.values:
+                got = c.numpy()
+                assert (got.dtype.str, got.tobytes()) == (init[k].dtype.str, init[k].tobytes()), k
+        got = np.asarray(count.read_value())  # split exactly among the copies: '>i8' too
+        assert (got.dtype.str, got.tobytes()) == (">i8", total.tobytes())
+        # Checkpoint (train) compares the same way
+        ck = pd.train.Checkpoint(**vs)
+        saved = ck.save(tmp_path / "train" / "ckpt")
+        vs["i"].assign(np.zeros(3, ">i4"))
+        ck.restore(saved).assert_consumed()
+        assert np.asarray(vs["i"].read_value()).tobytes() == init["i"].tobytes()
+        with s.scope():
+            native = pd.Variable(np.zeros(3, np.int32), name="native")
+            swapped = pd.Variable(np.zeros(2, ">i4"), name="swapped")
+        with pytest.raises(
+            CheckpointMismatchError, match=r"is int32\[3\] but the checkpoint holds >i4\[3\]"
+        ):
+            checkpoint.restore(path, {"i": native})
+        with pytest.raises(
+            CheckpointMismatchError, match=r"is >i4\[2\] but the checkpoint holds int32"
+        ):
+            checkpoint.restore(path, {"n": swapped})
+        with pytest.raises(CheckpointMismatchError, match=r"'i' is int32\[3\]"):
+            pd.train.Checkpoint(i=native).restore(saved)
+        assert not np.asarray(native.read_value()).any()
+
     def test_nest_keys(self, tmp_path: Path) -> None:
         a, b, c = pd.Variable(1.0), pd.Variable(2.0), pd.Variable(3.0)
         checkpoint.save(tmp_path, {"w": a, "layers": [b, (c,)]})

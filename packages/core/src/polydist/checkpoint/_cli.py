@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from polydist._base.arrays import dtype_name
+from polydist.checkpoint._format import _POINTER_NAME
 from polydist.checkpoint._io import (
     FORMAT_VERSION,
     CheckpointError,
@@ -21,7 +23,8 @@ from polydist.checkpoint._io import (
     list_checkpoints,
     read_arrays,
     read_manifest,
-    write_arrays,
+    read_pointer,
+    write_checkpoint,
 )
 
 __all__ = ["add_parser"]
@@ -29,6 +32,8 @@ __all__ = ["add_parser"]
 _VARIABLES_KEY = "polydist_variables"  # what checkpoint.save records per variable
 _OBJECTS_KEY = "polydist_objects"  # what polydist.train.Checkpoint records per entry
 _TRAIN_KEY = "polydist_checkpoint"  # polydist.train.Checkpoint's state dicts (JSON)
+# The pointer file's own entries (written anew by each write); the rest is the writer's.
+_POINTER_OWN = frozenset({"format", "format_version", "latest", "updated_unix"})
 
 
 def add_parser(sub: Any) -> None:
@@ -57,9 +62,12 @@ def add_parser(sub: Any) -> None:
         "convert",
         help="rewrite checkpoints in the current format (safetensors)",
         description="Reads every checkpoint in SRC (a checkpoint directory or a directory "
-        "holding them, of any format polydist reads) and writes each, with its step and "
+        "holding them, of any format polydist reads) and writes each, under its own name "
+        "(ckpt-<step>, or a CheckpointManager's <checkpoint_name>-<n>) with its step and "
         f"metadata, into the directory DST in the current format ({FORMAT_VERSION}): "
-        "tensors in a safetensors file beside a JSON manifest. SRC is not changed.",
+        "tensors in a safetensors file beside a JSON manifest. SRC's latest is DST's, and "
+        "what SRC's pointer file records (a CheckpointManager's managed checkpoints) is "
+        "kept. SRC is not changed.",
     )
     conv.add_argument("source", metavar="SRC")
     conv.add_argument("destination", metavar="DST")
@@ -110,7 +118,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     total = 0
     for name, spec in manifest.arrays.items():
         rows.append(
-            (name or "''", str(tuple(spec.shape)), spec.dtype.name, _describe(manifest, name))
+            (
+                name or "''",
+                str(tuple(spec.shape)),
+                dtype_name(spec.dtype),
+                _describe(manifest, name),
+            )
         )
         total += spec.nbytes
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -128,15 +141,27 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     source = Path(args.source)
+    destination = Path(args.destination)
     try:
         latest = read_manifest(source).path
         found = list_checkpoints(source) if latest != source else [latest]
         order = [p for p in found if p != latest] + [latest]  # the latest last: it stays latest
+        # What the source's pointer file adds to "latest" (a CheckpointManager's managed
+        # checkpoints, their timestamps): kept, so that a manager goes on managing them.
+        pointer = read_pointer(source) if latest != source else None
+        kept = {k: v for k, v in (pointer or {}).items() if k not in _POINTER_OWN}
         for path in order:
             manifest = read_manifest(path)
             arrays: dict[str, np.ndarray] = read_arrays(path)
-            out = write_arrays(
-                args.destination, arrays, metadata=dict(manifest.metadata), step=manifest.step
+            name = path.resolve().name  # its own name: ckpt-<step>, model-<n>, ...
+            if not name or name.startswith(".") or name == _POINTER_NAME:
+                name = f"ckpt-{manifest.step}"  # (SRC given as '.', say)
+            out = write_checkpoint(
+                destination / name,
+                arrays,
+                step=manifest.step,
+                metadata=dict(manifest.metadata),
+                pointer=kept if path == latest else {},
             )
             print(f"{path} (format {manifest.format_version}) -> {out}")
     except CheckpointError as e:

@@ -125,7 +125,8 @@ def restore(
 
     Raises:
         CheckpointMismatchError: a variable is missing from the checkpoint, or
-            its shape or dtype differs (the message names each one).
+            its shape or dtype differs, byte order included (the message names
+            each one).
         CheckpointCorruptError: the checkpoint's files are damaged.
         CheckpointNotFoundError: there is no checkpoint at ``directory_or_path``.
     """
@@ -142,8 +143,8 @@ def restore(
             problems.append(f"{key!r} ({what}) is not in the checkpoint{hint}")
             continue
         want = f"{dtype_name(var.dtype)}{list(var.shape)}"
-        have = f"{spec.dtype.name}{list(spec.shape)}"
-        if spec.shape != var.shape or spec.dtype.name != dtype_name(var.dtype):
+        have = f"{dtype_name(spec.dtype)}{list(spec.shape)}"
+        if spec.shape != var.shape or dtype_name(spec.dtype) != dtype_name(var.dtype):
             problems.append(f"{key!r} ({what}) is {want} but the checkpoint holds {have}")
     if problems:
         names = list(manifest.arrays)
@@ -284,8 +285,12 @@ def exact_sum_split(value: np.ndarray, n: int) -> list[np.ndarray]:
         return [value.copy()]
     flat = value.reshape(-1)  # 1-d, so that NumPy's integer arithmetic wraps silently
     if flat.dtype.kind in "iu":
-        share = np.floor_divide(flat, n)
-        first = np.subtract(flat, np.multiply(share, n - 1, dtype=flat.dtype), dtype=flat.dtype)
+        # in native byte order (a ufunc's dtype= refuses '>i4'), stored back in value's
+        native = flat.dtype.newbyteorder("=")
+        work = flat.astype(native, copy=False)
+        share = np.floor_divide(work, n)
+        first = np.subtract(work, np.multiply(share, n - 1, dtype=native), dtype=native)
+        first, share = first.astype(flat.dtype, copy=False), share.astype(flat.dtype, copy=False)
         parts = [first] + [share.copy() for _ in range(n - 1)]
     else:
         # complex: both parts -0.0 (NumPy's complex(-0.0) has imaginary part +0.0)

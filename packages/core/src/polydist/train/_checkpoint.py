@@ -456,7 +456,7 @@ class Checkpoint:
                 want = (tuple(slot.var.shape), dtype_name(slot.var.dtype))
                 if slot.var is self._save_counter:
                     want = ((), "int64")
-                _check(slot.key, want, (spec.shape, spec.dtype.name), problems)
+                _check(slot.key, want, (spec.shape, dtype_name(spec.dtype)), problems)
                 consumed[slot.key] = None
                 plan.append((slot, [slot.key]))
             elif isinstance(slot, _StateSlot):
@@ -478,7 +478,7 @@ class Checkpoint:
                     continue
                 for key, leaf in leaves:
                     spec = manifest.arrays[key]
-                    _check(key, _leaf_spec(leaf), (spec.shape, spec.dtype.name), problems)
+                    _check(key, _leaf_spec(leaf), (spec.shape, dtype_name(spec.dtype)), problems)
                 consumed.update(dict.fromkeys(k for k, _ in leaves))
                 plan.append((slot, (nest, leaves)))
         if problems:
@@ -528,8 +528,12 @@ def _check(
 def _check_state(
     slot: _StateSlot, doc: JSONValue, keys: list[str], manifest: Manifest, problems: list[str]
 ) -> None:
-    """Where the object's current state dict has tensors, the saved one must have the same
-    (load_state_dict may copy some before it raises on the others)."""
+    """Where a module's current state dict has tensors, the saved one must have the same
+    (load_state_dict may copy some before it raises on the others). An optimizer's saved
+    state replaces its current one, as torch's ``Optimizer.load_state_dict`` does: per
+    parameter state on one side only is fine (a checkpoint saved before the first step,
+    a parameter that had no gradient yet); its parameter groups must have the same sizes,
+    and a tensor on both sides the same shape and dtype."""
     current: dict[str, np.ndarray] = {}
     try:
         now = slot.obj.state_dict()
@@ -547,7 +551,7 @@ def _check_state(
             f"{slot.path!r} ({type(slot.obj).__name__}) has parameter groups of sizes "
             f"{now_groups} but the checkpoint holds {saved_groups}"
         )
-    if current:
+    if current and not _is_optimizer_state(now):
         extra = [k for k in current if k not in keys]
         absent = [k for k in keys if k not in current]
         for k in extra[:5]:
@@ -557,7 +561,18 @@ def _check_state(
     for k in keys:
         if k in current:
             spec = manifest.arrays[k]
-            _check(k, current[k], (spec.shape, spec.dtype.name), problems)  # type: ignore[arg-type]
+            _check(k, current[k], (spec.shape, dtype_name(spec.dtype)), problems)  # type: ignore[arg-type]
+
+
+def _is_optimizer_state(state: Any) -> bool:
+    """A torch optimizer's state dict: exactly ``state`` (a mapping) and ``param_groups``
+    (a list); its ``load_state_dict`` replaces the state (checks the groups first)."""
+    return (
+        isinstance(state, Mapping)
+        and set(state) == {"state", "param_groups"}
+        and isinstance(state["state"], Mapping)
+        and isinstance(state["param_groups"], list)
+    )
 
 
 def _group_sizes(state: Any) -> list[int] | None:
