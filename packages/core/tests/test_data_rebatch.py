@@ -269,24 +269,6 @@ def test_from_function_round_robin_three_replicas() -> None:
     assert got == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], []]]
 
 
-def test_from_function_without_partial_batches_drops_the_short_step() -> None:
-    pipeline = Dataset.range(10).batch(2, drop_remainder=True)
-    got = steps(per_replica_batches_from_datasets([pipeline], 3, partial_batches=False))
-    assert got == [[[0, 1], [2, 3], [4, 5]]]
-    asked: list[bool] = []
-
-    def decide() -> bool:
-        asked.append(True)
-        return True
-
-    got = steps(per_replica_batches_from_datasets([pipeline], 3, partial_batches=decide))
-    assert got == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], []]]
-    assert asked == [True]  # asked once, when replica 2 ran out first
-    even = steps(per_replica_batches_from_datasets([pipeline], 5, partial_batches=decide))
-    assert even == [[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]]
-    assert asked == [True]  # every replica ran out together: not asked
-
-
 def test_from_function_mwms_last_partial_batch() -> None:
     # strategy_common_test.testSimpleInputFromFnLastPartialBatch
     def dataset_fn(context: InputContext) -> Dataset:

@@ -182,41 +182,24 @@ def test_from_function_round_robin_three_replicas() -> None:
     assert steps(dist) == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], []]]
 
 
-def test_from_function_static_spec_on_one_worker_stops_at_the_first_replica_out() -> None:
-    # TF: no partial-batch handling for a fully static element_spec on one
-    # worker (_enable_get_next_as_optional): the step replica 2 has no batch for
-    # ends iteration, rather than an empty batch contradicting the spec (2,).
+def test_from_function_static_spec_keeps_every_batch() -> None:
+    # TF ends iteration at replica 2's end of data here (a static spec on one worker:
+    # no partial-batch handling) and never yields [6,7] [8,9]. polydist keeps them;
+    # its spec's batch dimension is None, so the empty batch does not contradict it.
     strategy = pd.MirroredStrategy(3)
     dist = strategy.distribute_datasets_from_function(
         lambda ctx: Dataset.range(10).batch(2, drop_remainder=True)
     )
-    assert dist.element_spec == PerReplicaSpec(*[TensorSpec((2,), np.int64)] * 3)
-    assert steps(dist) == [[[0, 1], [2, 3], [4, 5]]]
-    iterator = iter(dist)
-    assert replicas(iterator.get_next()) == [[0, 1], [2, 3], [4, 5]]
-    assert not iterator.get_next_as_optional().has_value()
-
-    # PER_REPLICA: the first pipeline's spec decides; replica 0 runs out first.
-    def per_replica_range(i: int) -> Dataset:
-        return Dataset.range(10 * i, 10 * i + 4 + 2 * i)
-
-    options = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)
-    each = strategy.distribute_datasets_from_function(
-        lambda ctx: per_replica_range(ctx.input_pipeline_id).batch(2, drop_remainder=True),
-        options,
+    assert steps(dist) == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], []]]
+    assert dist.element_spec == PerReplicaSpec(*[TensorSpec((None,), np.int64)] * 3)
+    for step in dist:
+        for spec, value in zip(dist.element_spec.value_specs, step.values, strict=True):
+            assert spec.is_compatible_with(TensorSpec(value.shape, value.dtype))
+    # One replica never pads: the pipeline's own static spec.
+    one = pd.MirroredStrategy(1).distribute_datasets_from_function(
+        lambda ctx: Dataset.range(10).batch(2, drop_remainder=True)
     )
-    assert steps(each) == [[[0, 1], [10, 11], [20, 21]], [[2, 3], [12, 13], [22, 23]]]
-
-    # An unknown dim anywhere (TF: not is_fully_defined) turns the handling on.
-    def rows() -> Iterator[Any]:
-        for k in range(4):
-            yield np.full((2, 1), k, np.int64)
-
-    signature = TensorSpec((2, None), np.int64)
-    padded = strategy.distribute_datasets_from_function(
-        lambda ctx: Dataset.from_generator(rows, output_signature=signature)
-    )
-    assert steps(padded) == [[[[0], [0]], [[1], [1]], [[2], [2]]], [[[3], [3]], [], []]]
+    assert one.element_spec == TensorSpec((2,), np.int64)
 
 
 def test_empty_batches_keep_dtype_and_inner_dims() -> None:
@@ -998,20 +981,6 @@ def test_mwms_from_function_last_partial_batch_and_contexts() -> None:
     per_replica = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)
     with pytest.raises(NotImplementedError, match="single-worker"):
         mwms(2).distribute_datasets_from_function(dataset_fn, per_replica)
-
-
-def test_mwms_from_function_static_spec_still_gives_empty_batches() -> None:
-    # TF: several workers always have partial-batch handling (finite data), and
-    # the element_spec's batch dim becomes None (_rebatch_as_dynamic).
-    def dataset_fn(context: InputContext) -> Dataset:
-        start = 10 * context.input_pipeline_id
-        return Dataset.range(start, start + 4 + 2 * context.input_pipeline_id).batch(
-            2, drop_remainder=True
-        )
-
-    dist = mwms(2).distribute_datasets_from_function(dataset_fn)
-    assert dist.element_spec == PerReplicaSpec(*[TensorSpec((None,), np.int64)] * 2)
-    assert steps(dist) == [[[0, 1], [10, 11]], [[2, 3], [12, 13]], [[], [14, 15]]]
 
 
 def test_mwms_cardinality() -> None:

@@ -52,7 +52,7 @@ from polydist.data._input import (
     InputOptions,
     InputReplicationMode,
 )
-from polydist.data._nest import Nest, flatten, map_structure
+from polydist.data._nest import Nest, map_structure
 from polydist.data._options import AutoShardPolicy
 from polydist.data._rebatch import (
     legacy_rebatch_slices,
@@ -298,7 +298,7 @@ class DistributedDataset:
         infinite: bool,
         cardinality: int,
         passes: tuple[_IterableDataset, ...] = (),
-        partial_batches: Callable[[], bool] | None = None,
+        pads: bool = False,
     ) -> None:
         # Built only by this module's functions; the arguments are internal.
         self._strategy = strategy
@@ -316,8 +316,9 @@ class DistributedDataset:
         # The plain re-iterables (DataLoaders) whose iter() each iteration calls
         # when it is made, one entry per pass it reads, in the order of its reads.
         self._passes = passes
-        # Whether replicas that run out first get empty batches (None: always).
-        self._partial_batches = partial_batches
+        # Whether a replica may get an empty batch while another gets data, whatever
+        # the pipelines' specs say (distribute_datasets_from_function's round-robin).
+        self._pads = pads
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self)
@@ -366,8 +367,8 @@ class DistributedDataset:
             # The values' dtypes after place (JAX without x64: int64 -> int32).
             placed = cast(SupportsPlacedDtype, backend).placed_dtype
             spec = map_structure(lambda s: TensorSpec(s.shape, placed(s.dtype)), spec)
-        if self._layout.num_workers > 1 and not self._infinite:
-            # TF's _rebatch_as_dynamic: any worker may get an empty batch.
+        if (self._layout.num_workers > 1 or self._pads) and not self._infinite:
+            # TF's _rebatch_as_dynamic: any worker (or replica) may get an empty batch.
             spec = map_structure(
                 lambda s: TensorSpec((None, *s.shape[1:]), s.dtype) if s.rank else s, spec
             )
@@ -391,11 +392,7 @@ class DistributedDataset:
         legacy = _legacy_split_input(self._pipelines, self._keep, len(self._devices))
         if legacy is not None:
             return self._split_elements(legacy)
-        steps = per_replica_batches_from_datasets(
-            self._pipelines,
-            self._replicas_per_pipeline,
-            True if self._partial_batches is None else self._partial_batches,
-        )
+        steps = per_replica_batches_from_datasets(self._pipelines, self._replicas_per_pipeline)
         keep = self._keep
         if keep is not None:
             steps = ([step[r] for r in keep] for step in steps)
@@ -705,13 +702,12 @@ def distribute_datasets_from_function(
     replica (``InputReplicationMode.PER_REPLICA``, single-worker strategies)
     with ``InputContext(num_replicas, replica_id, num_replicas_in_sync)``. It
     returns a ``Dataset`` (or an iterable) of *per-replica* batches: nothing is
-    rebatched or sharded. A worker's replicas take its elements round-robin.
-    When some replica runs out of data first, TF's partial-batch rule decides:
-    with several workers, or when this worker's (first) pipeline is finite and
-    its element_spec not fully static, the replicas without data get empty
-    batches until every pipeline is done; otherwise (one worker, a static
-    spec, e.g. ``batch(n, drop_remainder=True)``) iteration ends before the
-    first step some replica has no batch for, so no batch contradicts the spec.
+    rebatched or sharded. A worker's replicas take its elements round-robin;
+    when a pipeline runs out, its replicas get empty batches until every
+    pipeline is done, so ``element_spec``'s batch dimension is ``None`` with
+    more than one replica. (TF, on one worker with a fully static spec, instead
+    ends at the first replica out of data and drops the others' remaining
+    batches; polydist keeps them.)
     """
     if not callable(dataset_fn):
         raise TypeError(
@@ -753,23 +749,8 @@ def distribute_datasets_from_function(
         infinite,
         own.cardinality(),  # TF: its first (this worker's) dataset's
         tuple(p for p in pipelines if isinstance(p, _IterableDataset)),
-        lambda: _partial_batch_handling(layout, own),
+        pads=layout.num_replicas > 1,
     )
-
-
-def _partial_batch_handling(layout: _Layout, own: Dataset) -> bool:
-    """TF's ``_enable_get_next_as_optional`` for this worker's first dataset."""
-    if own.cardinality() == INFINITE_CARDINALITY:
-        return False
-    if layout.num_workers > 1:
-        return True
-    if isinstance(own, _IterableDataset) and own.peek_begins_a_pass:
-        return True  # its spec has unknown dims anyway; a peek would call iter() again
-    try:
-        spec = own.element_spec
-    except _SpecInferenceError:  # no element to infer a spec from: nothing to contradict
-        return True
-    return not all(None not in leaf.shape for leaf in flatten(spec)[0])
 
 
 def _from_fn_result(result: object, context: InputContext) -> Dataset:

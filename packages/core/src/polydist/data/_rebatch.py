@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -526,17 +526,8 @@ def rebatch_and_shard(
 # ---------------------------------------------------------- per-replica steps
 
 
-def _lockstep(
-    streams: list[Iterator[Nest]],
-    replicas_per_worker: int,
-    partial_batches: bool | Callable[[], bool] = True,
-) -> Iterator[list[Nest]]:
-    """Round-robin dequeue per worker; zero-size dummies; stop when no replica got data.
-
-    With ``partial_batches`` false (a callable is asked once, at the first step
-    some replica lacks data), that step is dropped and iteration ends instead,
-    as TF's ``get_next`` without partial-batch handling.
-    """
+def _lockstep(streams: list[Iterator[Nest]], replicas_per_worker: int) -> Iterator[list[Nest]]:
+    """Round-robin dequeue per worker; zero-size dummies; stop when no replica got data."""
     finished = [False] * len(streams)
     while True:
         step: list[Any] = []
@@ -549,11 +540,6 @@ def _lockstep(
         received = [element for element in step if element is not _END]
         if not received:
             return
-        if len(received) < len(step):
-            if callable(partial_batches):
-                partial_batches = partial_batches()
-            if not partial_batches:
-                return
         template = received[-1]
         yield [_empty_like(template, None) if e is _END else e for e in step]
 
@@ -612,9 +598,8 @@ def per_replica_batches(
     to the dataset's ``auto_shard_policy`` option.
 
     TF gives dummies only with partial-batch handling on (finite dataset and a
-    non-static element_spec, or several workers). Here that makes no
-    difference: a static spec after rebatching means the split is even, so
-    on one worker every replica runs out at the same step.
+    non-static element_spec, or several workers); in the remaining cases every
+    replica runs out at the same step, so the steps are the same.
     """
     if not 0 <= worker_index < num_workers:
         raise ValueError(f"worker_index must be in [0, {num_workers}), got {worker_index}.")
@@ -627,32 +612,23 @@ def per_replica_batches(
 
 
 def per_replica_batches_from_datasets(
-    datasets: Sequence[Iterable[Nest]],
-    replicas_per_worker: int = 1,
-    partial_batches: bool | Callable[[], bool] = True,
+    datasets: Sequence[Iterable[Nest]], replicas_per_worker: int = 1
 ) -> Iterator[list[Nest]]:
     """Per step, every replica's batch for ``distribute_datasets_from_function``.
 
     ``datasets[i]`` is input pipeline i (worker i's ``dataset_fn(InputContext)``
     result). No rebatching or sharding: worker i's replicas dequeue its
-    elements round-robin. Yields lists of ``len(datasets) * replicas_per_worker``
-    nests, worker-major.
-
-    With ``partial_batches`` (TF's partial-batch handling), replicas left
-    without data while some replica has data get zero-size batches shaped like
-    the step's last real batch, and iteration stops when every pipeline is
-    exhausted. Without it, iteration stops at the first step in which any
-    replica gets no element (that step is dropped). TF turns it on for a
-    finite first pipeline whose element_spec is not fully static, or with
-    several workers; ``distribute_datasets_from_function`` passes a callable
-    deciding that, asked only when some replica runs out first.
+    elements round-robin. Replicas left without data while some replica has
+    data get zero-size batches shaped like the step's last real batch;
+    iteration stops when every pipeline is exhausted. Yields lists of
+    ``len(datasets) * replicas_per_worker`` nests, worker-major.
     """
     if replicas_per_worker < 1:
         raise ValueError(f"replicas_per_worker must be >= 1, got {replicas_per_worker}.")
     if not datasets:
         raise ValueError("per_replica_batches_from_datasets needs at least one input pipeline.")
     iterators = [_converted(source) for source in datasets]
-    return _lockstep(iterators, replicas_per_worker, partial_batches)
+    return _lockstep(iterators, replicas_per_worker)
 
 
 def _converted(source: Iterable[Nest]) -> Iterator[Nest]:
