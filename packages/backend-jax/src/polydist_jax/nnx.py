@@ -181,7 +181,13 @@ def _live_roots() -> list[Any]:
 
 @contextmanager
 def _revalidate() -> Iterator[None]:
-    """While fn is traced: the bound objects' nnx trace state is this trace's."""
+    """While fn is traced: the bound objects' nnx trace state is this trace's.
+
+    Afterwards each object gets its own trace state back, so that eager runs and nnx's
+    transforms outside ``run`` accept it again. It is put back on the object's current
+    ``_pytree__state``: nnx's transforms (``nnx.value_and_grad``, ``nnx.update``)
+    replace that state object while fn is traced, with one made at the trace's level.
+    """
     state: Any = _nnx_tracers.TraceState()  # type: ignore[no-untyped-call]
     saved: list[tuple[Any, Any]] = []
     seen: set[int] = set()
@@ -190,15 +196,15 @@ def _revalidate() -> Iterator[None]:
             if isinstance(node, nnx.Pytree) and id(node) not in seen:
                 seen.add(id(node))
                 pytree_state = node._pytree__state
-                saved.append((pytree_state, pytree_state._trace_state))
+                saved.append((node, pytree_state._trace_state))
                 pytree_state._trace_state = state
     outer, _run_trace.state = _run_trace.state, state
     try:
         yield
     finally:
         _run_trace.state = outer
-        for pytree_state, old in saved:
-            pytree_state._trace_state = old
+        for node, old in saved:
+            node._pytree__state._trace_state = old
 
 
 def _run_trace_valid() -> bool:
