@@ -523,6 +523,46 @@ def test_train_checkpoint_saves_and_restores_nnx_objects(tmp_path: Path) -> None
         np.testing.assert_array_equal(copy.numpy(), np.full(16, 3.0))
 
 
+class Counted(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.l = nnx.Linear(2, 2, rngs=rngs)
+        self.seen = nnx.Variable(0)  # Python numbers: JAX's dtypes (int32, float32 unless x64)
+        self.scale = nnx.Param(1.0)
+
+
+def test_checkpoint_of_python_number_variables_restores_both_ways(tmp_path: Path) -> None:
+    """A distributed and a plain model store ``nnx.Variable(0)`` and ``nnx.Param(1.0)``
+    with the dtypes jnp.asarray gives them, so each restores the other's checkpoint."""
+    int_dtype, float_dtype = jnp.asarray(0).dtype, jnp.asarray(1.0).dtype
+    strategy = pd.MirroredStrategy(2, backend="jax")
+    with strategy.scope():
+        distributed = pdnnx.distribute(Counted(nnx.Rngs(0)))
+    distributed.seen.set_value(7)
+    distributed.scale.set_value(2.5)
+    assert pdnnx.variables(distributed)["seen"].dtype == int_dtype
+    assert pdnnx.variables(distributed)["scale"].dtype == float_dtype
+
+    path = pd.train.Checkpoint(model=distributed).write(str(tmp_path / "distributed"))
+    dtypes = {k: v.dtype for k, v in pd.checkpoint.read_manifest(path).arrays.items()}
+    assert (dtypes["model/seen"], dtypes["model/scale"]) == (int_dtype, float_dtype)
+    plain = Counted(nnx.Rngs(1))
+    pd.train.Checkpoint(model=plain).read(path).assert_consumed()
+    assert (int(plain.seen[...]), float(plain.scale[...])) == (7, 2.5)
+    np.testing.assert_array_equal(plain.l.kernel[...], distributed.l.kernel[...])
+
+    other = Counted(nnx.Rngs(2))
+    other.seen.set_value(3)
+    other.scale.set_value(0.5)
+    plain_path = pd.train.Checkpoint(model=other).write(str(tmp_path / "plain"))
+    dtypes = {k: v.dtype for k, v in pd.checkpoint.read_manifest(plain_path).arrays.items()}
+    assert (dtypes["model/seen"], dtypes["model/scale"]) == (int_dtype, float_dtype)
+    pd.train.Checkpoint(model=distributed).read(plain_path).assert_consumed()
+    assert (int(distributed.seen[...]), float(distributed.scale[...])) == (3, 0.5)
+    for copy in pdnnx.variables(distributed)["scale"].values:
+        np.testing.assert_array_equal(copy.numpy(), np.asarray(0.5, float_dtype))
+    np.testing.assert_array_equal(distributed.l.kernel[...], other.l.kernel[...])
+
+
 def test_nnx_step_compiles_to_one_all_reduce() -> None:
     """The bound model adds no collective: the step's only one is the gradients' all-reduce."""
     strategy = pd.MirroredStrategy(4, backend="jax")
