@@ -163,6 +163,75 @@ def test_training_matches_single_device(style: Any, replicas: int, jit: bool, st
         assert backend.eager_fallback_count == 0
 
 
+class DocsMLP(nnx.Module):
+    """docs/frameworks/flax.md's model."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(4, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(nnx.relu(self.hidden(x)))  # type: ignore[no-any-return]
+
+
+def test_uneven_batches_alternate_compiled_and_eager_steps() -> None:
+    """The docs' nnx step over 2 epochs of 38 examples in global batches of 32 on 8
+    replicas: a full batch (compiled), then 6 examples (eager: uneven), twice, so
+    compiled and eager steps alternate. The weights equal a plain nnx loop's."""
+    global_batch, examples, epochs = 32, 38, 2
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(examples, 4)).astype(np.float32)
+    ys = rng.integers(0, 3, size=examples).astype(np.int32)
+
+    backend = JaxBackend()
+    strategy = pd.MirroredStrategy(8, backend=backend)
+    with strategy.scope():
+        model = pdnnx.distribute(DocsMLP(nnx.Rngs(0)))
+        optimizer = pdnnx.distribute(nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param))
+
+    def train_step(x: jax.Array, y: jax.Array) -> jax.Array:
+        def loss_fn(model: DocsMLP) -> jax.Array:
+            per_example = per_example_loss(model(x), y)
+            return pd.nn.compute_average_loss(per_example, global_batch_size=global_batch)  # type: ignore[no-any-return]
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        grads = replica_context().all_reduce("SUM", grads)
+        optimizer.update(model, grads)
+        return loss  # type: ignore[no-any-return]
+
+    dataset = pd.data.Dataset.from_tensor_slices((xs, ys)).batch(global_batch)
+    losses = []
+    for _ in range(epochs):
+        for x, y in strategy.experimental_distribute_dataset(dataset):
+            per_replica = strategy.run(train_step, args=(x, y))
+            losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
+            assert check_replicas_identical(strategy) > 0
+    assert int(optimizer.step[...]) == 4
+    assert backend.compile_count == 1
+    assert backend.eager_fallback_count == 2  # the two uneven batches
+
+    # The same steps without a strategy: each whole batch's summed loss / global_batch.
+    plain = DocsMLP(nnx.Rngs(0))
+    plain_optimizer = nnx.Optimizer(plain, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+    expected_losses = []
+    for _ in range(epochs):
+        for start in range(0, examples, global_batch):
+            x, y = xs[start : start + global_batch], ys[start : start + global_batch]
+
+            def plain_loss(model: DocsMLP, x: Any = x, y: Any = y) -> jax.Array:
+                return per_example_loss(model(x), y).sum() / global_batch  # type: ignore[no-any-return]
+
+            loss, grads = nnx.value_and_grad(plain_loss)(plain)
+            plain_optimizer.update(plain, grads)
+            expected_losses.append(float(loss))
+    np.testing.assert_allclose(losses, expected_losses, rtol=RTOL, atol=ATOL)
+    want = [np.asarray(p) for p in jax.tree.leaves(nnx.state(plain, nnx.Param))]
+    got = [np.asarray(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    assert not np.allclose(want[0], np.asarray(DocsMLP(nnx.Rngs(0)).hidden.kernel[...]))
+
+
 def test_distribute_names_and_kinds() -> None:
     class Net(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
@@ -452,6 +521,46 @@ def test_train_checkpoint_saves_and_restores_nnx_objects(tmp_path: Path) -> None
     pd.train.Checkpoint(model=fresh).read(plain_path).assert_consumed()
     for copy in pdnnx.variables(fresh)["l1/bias"].values:
         np.testing.assert_array_equal(copy.numpy(), np.full(16, 3.0))
+
+
+class Counted(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.l = nnx.Linear(2, 2, rngs=rngs)
+        self.seen = nnx.Variable(0)  # Python numbers: JAX's dtypes (int32, float32 unless x64)
+        self.scale = nnx.Param(1.0)
+
+
+def test_checkpoint_of_python_number_variables_restores_both_ways(tmp_path: Path) -> None:
+    """A distributed and a plain model store ``nnx.Variable(0)`` and ``nnx.Param(1.0)``
+    with the dtypes jnp.asarray gives them, so each restores the other's checkpoint."""
+    int_dtype, float_dtype = jnp.asarray(0).dtype, jnp.asarray(1.0).dtype
+    strategy = pd.MirroredStrategy(2, backend="jax")
+    with strategy.scope():
+        distributed = pdnnx.distribute(Counted(nnx.Rngs(0)))
+    distributed.seen.set_value(7)
+    distributed.scale.set_value(2.5)
+    assert pdnnx.variables(distributed)["seen"].dtype == int_dtype
+    assert pdnnx.variables(distributed)["scale"].dtype == float_dtype
+
+    path = pd.train.Checkpoint(model=distributed).write(str(tmp_path / "distributed"))
+    dtypes = {k: v.dtype for k, v in pd.checkpoint.read_manifest(path).arrays.items()}
+    assert (dtypes["model/seen"], dtypes["model/scale"]) == (int_dtype, float_dtype)
+    plain = Counted(nnx.Rngs(1))
+    pd.train.Checkpoint(model=plain).read(path).assert_consumed()
+    assert (int(plain.seen[...]), float(plain.scale[...])) == (7, 2.5)
+    np.testing.assert_array_equal(plain.l.kernel[...], distributed.l.kernel[...])
+
+    other = Counted(nnx.Rngs(2))
+    other.seen.set_value(3)
+    other.scale.set_value(0.5)
+    plain_path = pd.train.Checkpoint(model=other).write(str(tmp_path / "plain"))
+    dtypes = {k: v.dtype for k, v in pd.checkpoint.read_manifest(plain_path).arrays.items()}
+    assert (dtypes["model/seen"], dtypes["model/scale"]) == (int_dtype, float_dtype)
+    pd.train.Checkpoint(model=distributed).read(plain_path).assert_consumed()
+    assert (int(distributed.seen[...]), float(distributed.scale[...])) == (3, 0.5)
+    for copy in pdnnx.variables(distributed)["scale"].values:
+        np.testing.assert_array_equal(copy.numpy(), np.asarray(0.5, float_dtype))
+    np.testing.assert_array_equal(distributed.l.kernel[...], other.l.kernel[...])
 
 
 def test_nnx_step_compiles_to_one_all_reduce() -> None:

@@ -40,9 +40,11 @@ Which polydist variable each ``nnx.Variable`` becomes:
   ``MirroredVariable`` with ``aggregation=NONE``; ``trainable`` is True for
   ``nnx.Param`` only.
 
-Array leaves become variables, Python numbers become arrays, PRNG keys are
-stored as their key data (and come back as keys), and other leaves (``None``,
-strings) stay as they are.
+Array leaves become variables, Python numbers become arrays of JAX's dtype
+(``jnp.asarray``'s: float32 and int32 unless ``jax_enable_x64``; a plain model's
+checkpoint saves them with the same dtype), PRNG keys are stored as their key
+data (and come back as keys), and other leaves (``None``, strings) stay as they
+are.
 """
 
 from __future__ import annotations
@@ -181,7 +183,13 @@ def _live_roots() -> list[Any]:
 
 @contextmanager
 def _revalidate() -> Iterator[None]:
-    """While fn is traced: the bound objects' nnx trace state is this trace's."""
+    """While fn is traced: the bound objects' nnx trace state is this trace's.
+
+    Afterwards each object gets its own trace state back, so that eager runs and nnx's
+    transforms outside ``run`` accept it again. It is put back on the object's current
+    ``_pytree__state``: nnx's transforms (``nnx.value_and_grad``, ``nnx.update``)
+    replace that state object while fn is traced, with one made at the trace's level.
+    """
     state: Any = _nnx_tracers.TraceState()  # type: ignore[no-untyped-call]
     saved: list[tuple[Any, Any]] = []
     seen: set[int] = set()
@@ -190,15 +198,15 @@ def _revalidate() -> Iterator[None]:
             if isinstance(node, nnx.Pytree) and id(node) not in seen:
                 seen.add(id(node))
                 pytree_state = node._pytree__state
-                saved.append((pytree_state, pytree_state._trace_state))
+                saved.append((node, pytree_state._trace_state))
                 pytree_state._trace_state = state
     outer, _run_trace.state = _run_trace.state, state
     try:
         yield
     finally:
         _run_trace.state = outer
-        for pytree_state, old in saved:
-            pytree_state._trace_state = old
+        for node, old in saved:
+            node._pytree__state._trace_state = old
 
 
 def _run_trace_valid() -> bool:
@@ -336,7 +344,7 @@ def _bind(var: Any, name: str) -> None:
         if _is_key(x):
             value, impl = jax.random.key_data(x), jax.random.key_impl(x)
         elif isinstance(x, bool | int | float | complex | np.generic):
-            value = np.asarray(x)
+            value = _host_array(x)
         elif not isinstance(x, jax.Array | np.ndarray):
             leaves.append(_Leaf(None, obj=x))
             continue
@@ -351,6 +359,14 @@ def _bind(var: Any, name: str) -> None:
     binding = _Binding(name or "Variable", treedef, leaves)
     object.__setattr__(var, "__class__", _bound_class(type(var)))
     _SLOT.__set__(var, binding)
+
+
+def _host_array(x: Any) -> np.ndarray:
+    """``x`` (an array, a NumPy value or a Python number) as a NumPy array of the dtype
+    JAX gives it (``jnp.asarray``'s: ``nnx.Param(1.0)`` is float32 and ``nnx.Variable(0)``
+    int32, unless ``jax_enable_x64``), so that a distributed object (whose variables hold
+    what ``jnp.asarray`` makes) and a plain one save and expect the same dtypes."""
+    return np.asarray(x, dtype=jnp.result_type(x))
 
 
 def _strategy_scope(strategy: pd.Strategy | None) -> Any:
@@ -518,7 +534,7 @@ def _to_nest(obj: Any) -> dict[str, Any]:
             items.append((parts, pd_var))
         else:
             x = jax.tree.leaves(_SLOT.__get__(var))[index]
-            items.append((parts, jax.random.key_data(x) if _is_key(x) else np.asarray(x)))
+            items.append((parts, jax.random.key_data(x) if _is_key(x) else _host_array(x)))
     return _nested(items)
 
 
