@@ -12,6 +12,7 @@ from polydist._base.communication import call_options, check_call_options
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._strategies import context as _context
 from polydist._valuetypes import nest as _nest
+from polydist._valuetypes.indexed_slices import IndexedSlices
 from polydist.backend._contract import ReplicaChannel
 from polydist.errors import InvalidArgumentError
 
@@ -165,11 +166,19 @@ class ReplicaContext:
         """Concatenates ``value`` (a nest of arrays) from all replicas along ``axis``.
 
         Every replica gets the result. Sizes along ``axis`` may differ between
-        replicas (except on TPU); other dimensions must match.
+        replicas (except on TPU); other dimensions must match. ``IndexedSlices``
+        raise ``NotImplementedError``, as in TF.
         """
         _context.require_replica_context(self)
         check_call_options(options)
         flat, spec = _nest.flatten(_variables_snapshot(value))
+        for x in flat:
+            if isinstance(x, IndexedSlices):
+                raise NotImplementedError(
+                    "all_gather does not support IndexedSlices (TF), got one. all_gather "
+                    "its values and its indices separately (every replica's rows, in replica "
+                    "order), or pass a dense array."
+                )
         arrays = [convert_to_array(x) for x in flat]
         for a in arrays:
             _check_gather_axis(a, axis)

@@ -629,9 +629,24 @@ class Strategy:
 
         Sizes along ``axis`` may differ (not on TPU). A non-distributed value
         is returned as it is. Requires cross-replica (or default) context; in
-        replica context use ``get_replica_context().all_gather()``.
+        replica context use ``get_replica_context().all_gather()``. ``IndexedSlices``
+        (alone or per replica) raise ``NotImplementedError``, as in TF.
         """
         _context.require_cross_replica_or_default_context(self, _GATHER_MESSAGE)
+        for leaf in _nest.flatten(value)[0]:
+            components = leaf.values if isinstance(leaf, DistributedValues) else (leaf,)
+            if any(isinstance(c, IndexedSlices) for c in components):
+                got = (
+                    "an IndexedSlices"
+                    if leaf is components[0]
+                    else f"a {type(leaf).__name__} of them"
+                )
+                raise NotImplementedError(
+                    f"gather does not support IndexedSlices (TF), got {got}. Combine every "
+                    'replica\'s rows with strategy.reduce("SUM", value, axis=None) (it '
+                    "concatenates them), or gather dense arrays, such as the values and the "
+                    "indices gathered separately."
+                )
         return _nest.map_structure(
             lambda v: self._extended._gather_to(v, _current_device(), axis), value
         )
