@@ -333,8 +333,6 @@ def destination(destinations: Any) -> str:
     """The one device a reduction onto ``destinations`` (not a distributed value) lands on."""
     if isinstance(destinations, str):
         return canonicalize(destinations)
-    if isinstance(destinations, Sequence) and destinations and isinstance(destinations[0], str):
-        return canonicalize(destinations[0])
     device = getattr(destinations, "device", None)
     if isinstance(device, str):
         return canonicalize(device)
