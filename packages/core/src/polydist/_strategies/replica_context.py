@@ -9,6 +9,7 @@ import numpy as np
 
 from polydist._base.arrays import check_summable, convert_to_array, is_array, mean_from_sum
 from polydist._base.communication import call_options, check_call_options
+from polydist._base.devices import HOST_DEVICE
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._strategies import context as _context
 from polydist._valuetypes import nest as _nest
@@ -96,7 +97,10 @@ class ReplicaContext:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Deprecated in TF: the devices of this replica."""
+        """Deprecated in TF: the devices of this replica (in the default replica context,
+        the current device: the host's CPU, as TF's ``(device_util.current(),)``)."""
+        if self._strategy is _context._get_default_mode().strategy:
+            return (HOST_DEVICE,)
         if self._replica_index is None:
             raise RuntimeError("devices is not available in a compiled (SPMD) replica context.")
         return (self._strategy.extended.worker_devices[self._replica_index],)
