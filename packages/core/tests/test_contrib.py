@@ -362,7 +362,8 @@ class TestMethods:
     def test_non_slot_devices(self) -> None:
         s = tpu()
         v = var(s)
-        assert s.non_slot_devices([v]) == s.worker_devices
+        # TF 1.12's TPUExtended: the host's CPU, not the TPU cores.
+        assert s.non_slot_devices([v]) == ["/job:worker/replica:0/task:0/device:CPU:0"]
         assert distribute.OneDeviceStrategy("/gpu:1").non_slot_devices([]) == [GPU1]
 
     def test_read_var(self) -> None:
@@ -477,8 +478,12 @@ class TestMethods:
                 step = pd.Variable(0)
             devices = s.non_slot_devices([counter])
             out = s.update_non_slot(devices, lambda n: step.assign_add(n), 5)
-        assert isinstance(out, pd.Mirrored)
+        # Once, on the host (TF 1.12's TPUExtended), updating every copy of ``step``.
+        assert isinstance(out, pd.Mirrored) and [int(x) for x in out.values] == [5, 5]
         assert [int(c.numpy()) for c in step.values] == [5, 5]
+        host_step = pd.Variable(0)  # a plain counter: one call, not one per tower
+        assert int(s.update_non_slot(devices, lambda: host_step.assign_add(1))) == 1
+        assert int(host_step.numpy()) == 1
 
     def test_value_container(self) -> None:
         s = tpu()

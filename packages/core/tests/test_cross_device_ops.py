@@ -107,6 +107,56 @@ def test_mean_and_integer_rules() -> None:
     assert [m.tolist() for m in out.values] == [[2.0]] * 3
 
 
+def densify(x: Any) -> list[list[float]]:
+    """An IndexedSlices of a (3, 2) array as its dense array (rows of repeated indices add)."""
+    assert isinstance(x, pd.IndexedSlices) and x.dense_shape == (3, 2)
+    dense = np.zeros((3, 2), np.float64)
+    np.add.at(dense, np.asarray(x.indices), np.asarray(x.values))
+    return dense.tolist()
+
+
+@pytest.mark.parametrize("make_ops", [op for op, _, _ in OPS])
+def test_batch_reduce_of_indexed_slices(make_ops: Callable[[], Any]) -> None:
+    # TF: ReductionToOneDevice aggregates IndexedSlices (concatenates them), and the
+    # all-reduce ops split a batch by sparsity, reducing the sparse values that way.
+    ops = make_ops()
+    strategy = pd.MirroredStrategy(3, cross_device_ops=ops)
+
+    def slices(ctx: Any) -> pd.IndexedSlices:
+        r = ctx.replica_id_in_sync_group  # rows r and 0 (multiples of 3: MEAN is exact)
+        values = np.array([[3.0 * (r + 1), 3.0 * (r + 1)], [30.0, 60.0]], np.float32)
+        return pd.IndexedSlices(values, np.array([r, 0]), (3, 2))
+
+    isl = strategy.experimental_distribute_values_from_function(slices)
+    dense = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1)
+    )
+    total = [[93.0, 183.0], [6.0, 6.0], [9.0, 9.0]]  # rows 0, 1, 2 summed over replicas
+    mean = [[31.0, 61.0], [2.0, 2.0], [3.0, 3.0]]
+    with strategy.scope():
+        v = pd.Variable(np.zeros((3, 2), np.float32))
+        one, onto_v, plain = strategy.extended.batch_reduce_to(
+            "SUM", [(isl, "/cpu:0"), (isl, v), (dense, "/cpu:0")]
+        )
+        (averaged,) = strategy.extended.batch_reduce_to("MEAN", [(isl, v)])
+    assert densify(one) == total
+    assert isinstance(onto_v, pd.Mirrored) and [densify(c) for c in onto_v.values] == [total] * 3
+    assert float(plain) == 6.0  # the dense value of the same batch
+    assert [densify(c) for c in averaged.values] == [mean] * 3
+    # The ops object's own batch_reduce and reduce, with the strategy's scope.
+    direct = ops or pd.ReductionToOneDevice()
+    with strategy.scope():
+        out = direct.batch_reduce("SUM", [(isl, "/cpu:0"), (isl, isl)])
+        assert densify(out[0]) == total and [densify(c) for c in out[1].values] == [total] * 3
+        assert densify(direct.reduce("SUM", isl, "/cpu:0")) == total
+        # One IndexedSlices on its own device: returned as it is (TF's shortcut).
+        single = pd.IndexedSlices(np.ones((1, 2), np.float32), np.array([2]), (3, 2))
+        assert densify(direct.reduce("SUM", single, "/cpu:0")) == [[0, 0], [0, 0], [1, 1]]
+        mixed = pd.PerReplica([isl.values[0], np.ones(2, np.float32), isl.values[2]])
+        with pytest.raises(TypeError, match="Cannot reduce a mix of IndexedSlices"):
+            direct.batch_reduce("SUM", [(mixed, "/cpu:0")])
+
+
 class TestConstruction:
     def test_num_packs(self) -> None:
         with pytest.raises(ValueError, match=r"^NCCL all-reduce requires num_packs >= 0, but -1"):

@@ -257,6 +257,25 @@ class TestGather:
         value = np.ones(2)
         assert strategy.gather(value, axis=0) is value
 
+    def test_gather_and_all_gather_refuse_indexed_slices(self) -> None:
+        # TF: "gather does not support IndexedSlices" / "all_gather does not support
+        # IndexedSlices", NotImplementedError, for a plain or a per-replica one.
+        def slices() -> pd.IndexedSlices:
+            return pd.IndexedSlices(np.ones((1, 2)), np.array([0]), (3, 2))
+
+        for strategy in (pd.MirroredStrategy(2), pd.OneDeviceStrategy("/cpu:0")):
+            for value in (slices(), strategy.run(slices), {"a": [np.ones(1), slices()]}):
+                with pytest.raises(NotImplementedError, match="^gather does not support Indexed"):
+                    strategy.gather(value, axis=0)
+            with pytest.raises(NotImplementedError, match="^all_gather does not support Indexed"):
+                strategy.run(lambda: pd.get_replica_context().all_gather([slices()], axis=0))
+        mirrored = pd.MirroredStrategy(2)
+        per_replica = mirrored.run(slices)
+        with pytest.raises(NotImplementedError, match="got a PerReplica of them"):
+            mirrored.gather(per_replica, axis=0)
+        with pytest.raises(NotImplementedError, match="gather does not support Indexed"):
+            pd.get_strategy().gather(slices(), axis=0)
+
     def test_all_gather_docstring(self) -> None:
         strategy = pd.MirroredStrategy(["GPU:0", "GPU:1"])
 

@@ -256,6 +256,20 @@ class TestDefaultAndOneDevice:
         assert ctx.all_reduce("SUM", 3.0) == 3.0
         assert ctx.merge_call(lambda s, v: (s is pd.get_strategy(), v), args=(4,)) == (True, 4)
 
+    def test_default_replica_context_devices_is_the_current_device(self) -> None:
+        # TF's base ReplicaContext.devices: (device_util.current(),), here the host CPU;
+        # the default strategy's own worker_devices still raises, as in TF.
+        host = ("/job:localhost/replica:0/task:0/device:CPU:0",)
+        ctx = pd.get_replica_context()
+        assert ctx is not None and ctx.devices == host
+        assert pd.get_strategy().run(lambda: pd.get_replica_context().devices) == host
+        with pytest.raises(RuntimeError, match="worker_devices"):
+            _ = pd.get_strategy().extended.worker_devices
+        one = pd.OneDeviceStrategy("/gpu:1")
+        assert one.run(lambda: pd.get_replica_context().devices) == (
+            "/job:localhost/replica:0/task:0/device:GPU:1",
+        )
+
     def test_one_device_strategy(self) -> None:
         s = pd.OneDeviceStrategy("/gpu:0")
         assert s.num_replicas_in_sync == 1

@@ -318,3 +318,43 @@ def test_experimental_make_numpy_dataset_is_a_tf2_tpu_strategy_member() -> None:
     assert [e["x"].tolist() for e in pairs] == [[0, 1, 2], [0, 10, 20]]
     with pytest.raises(RuntimeError, match="cross-replica context"):
         strategy.run(lambda: strategy.experimental_make_numpy_dataset(np.arange(2)))
+
+
+# -- non-slot variables (TF V1's TPUExtended) -------------------------------------------------
+
+
+HOST = "/job:worker/replica:0/task:0/device:CPU:0"
+
+
+@pytest.mark.parametrize(
+    "make", [tpu, lambda name: pd.compat.v1.TPUStrategy(TPUClusterResolver(name))]
+)
+def test_non_slot_devices_are_the_host_and_update_non_slot_runs_once(make: Any) -> None:
+    # TF's TPUExtended: non_slot_devices is the host device, and update_non_slot runs
+    # fn(*args, **kwargs) once there, returning fn's result (not one per TPU core).
+    strategy = make("v3-8")
+    ext = strategy.extended
+    with strategy.scope():
+        w = pd.Variable(np.float32(1.0), name="w")
+        beta = pd.Variable(np.float32(2.0), name="beta_power")
+    devices = ext.non_slot_devices([w])
+    assert devices == HOST
+    step = pd.Variable(np.int64(0))  # a plain host counter, like a global step
+    calls: list[int] = []
+
+    def finish(n: int, scale: float = 1.0) -> Any:
+        calls.append(n)
+        step.assign_add(n)
+        return beta.assign(beta * np.float32(scale))
+
+    out = ext.update_non_slot(devices, finish, args=(2,), kwargs={"scale": 0.5})
+    assert calls == [2] and int(step.numpy()) == 2
+    assert isinstance(out, pd.Mirrored) and [float(x) for x in out.values] == [1.0] * 8
+    assert [float(c.numpy()) for c in beta.values] == [1.0] * 8  # every copy, once
+    assert ext.update_non_slot(devices, lambda: np.float32(3.0)) == 3.0
+    ungrouped = ext.update_non_slot(devices, lambda: np.float32(3.0), group=False)
+    assert isinstance(ungrouped, tuple) and [float(x) for x in ungrouped] == [3.0]
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        strategy.run(lambda: ext.update_non_slot(devices, lambda: 1))
+    # A multi-host slice: the first host's CPU.
+    assert make("v3-32").extended.non_slot_devices([]) == HOST

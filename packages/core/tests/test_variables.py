@@ -578,6 +578,22 @@ class TestExtended:
         with pytest.raises(ValueError, match="Cannot SUM a Mirrored"):
             strategy.reduce("SUM", v, axis=None)
 
+    @pytest.mark.parametrize("cdo", [None, pd.NcclAllReduce()])
+    def test_reduce_to_a_list_of_devices_is_refused(self, cdo: Any) -> None:
+        # TF's reduce_to asserts that destinations is not a list or tuple (polydist took
+        # the first device and returned one array).
+        strategy = pd.MirroredStrategy(2, cross_device_ops=cdo)
+        values = strategy.run(lambda: np.float32(rid() + 1))
+        ext = strategy.extended
+        for devices in (["/gpu:0", "/gpu:1"], ("/gpu:0",)):
+            with pytest.raises(ValueError, match="reduce_to takes one destination, not a"):
+                ext.reduce_to("SUM", values, devices)
+            with pytest.raises(ValueError, match="batch_reduce_to takes one destination"):
+                ext.batch_reduce_to("SUM", [(values, "/cpu:0"), (values, devices)])
+        # Several devices: a distributed value on them (a Mirrored there), as TF allows.
+        out = ext.reduce_to("SUM", values, values)
+        assert isinstance(out, pd.Mirrored) and [float(x) for x in out.values] == [3.0, 3.0]
+
     def test_colocate_vars_with(self) -> None:
         strategy = pd.MirroredStrategy(["/gpu:2", "/gpu:3"])
         v = mirrored_var(strategy)

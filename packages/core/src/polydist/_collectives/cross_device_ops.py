@@ -333,8 +333,6 @@ def destination(destinations: Any) -> str:
     """The one device a reduction onto ``destinations`` (not a distributed value) lands on."""
     if isinstance(destinations, str):
         return canonicalize(destinations)
-    if isinstance(destinations, Sequence) and destinations and isinstance(destinations[0], str):
-        return canonicalize(destinations[0])
     device = getattr(destinations, "device", None)
     if isinstance(device, str):
         return canonicalize(device)
@@ -381,12 +379,37 @@ def _as_distributed(value: Any) -> DistributedValues:
             "Cannot convert `input_tensor` to a `PerReplica` object, got "
             f"{value!r} but expected a object that is not a tuple or list."
         )
-    if is_array(value):
+    if is_array(value) or isinstance(value, _indexed_slices.IndexedSlices):
         return PerReplica((value,))
     raise ValueError(
         "Cannot convert `input_tensor` to a `PerReplica` object because it doesn't have "
         f"device set (got {type(value).__name__} {value!r}); pass an array or a PerReplica."
     )
+
+
+def _sparse_components(value: DistributedValues) -> list[Any] | None:
+    """The components of ``value`` when they are ``IndexedSlices`` (TF splits a batch by
+    sparsity and gathers the sparse ones); ``None`` when they are dense."""
+    components = [_read_operand(v) for v in value.values]
+    sparse = [isinstance(c, _indexed_slices.IndexedSlices) for c in components]
+    if not any(sparse):
+        return None
+    if not all(sparse):
+        kinds = ", ".join(type(c).__name__ for c in components)
+        raise TypeError(
+            f"Cannot reduce a mix of IndexedSlices and other values across replicas (the "
+            f"replicas gave {kinds}). Every replica must pass an IndexedSlices."
+        )
+    return components
+
+
+def _reduce_sparse(
+    backend: Backend, reduce_op: ReduceOp, components: Sequence[Any], device: str
+) -> Any:
+    """TF's ``aggregate_tensors_or_indexed_slices`` of one ``IndexedSlices`` per replica,
+    onto ``device``: every replica's rows, concatenated (MEAN divides the values)."""
+    placed_on = tuple(_device_of(c.values) for c in components)
+    return _indexed_slices.reduce(backend, reduce_op, components, placed_on, (device,))[0]
 
 
 def _arrays(value: DistributedValues) -> list[Any]:
@@ -445,7 +468,10 @@ class CrossDeviceOps:
         value = _as_distributed(per_replica_value)
         validate_destinations(destinations)
         if len(value.values) == 1 and _devices_match(value, destinations):
-            return regroup((convert_to_array(_read_operand(value.values[0])),), Mirrored)
+            only = _read_operand(value.values[0])
+            if not isinstance(only, _indexed_slices.IndexedSlices):
+                only = convert_to_array(only)
+            return regroup((only,), Mirrored)
         return self.reduce_implementation(reduce_op, value, destinations, options)
 
     def batch_reduce(
@@ -544,6 +570,9 @@ class ReductionToOneDevice(CrossDeviceOps):
         ]
 
     def _simple_reduce(self, value: DistributedValues, device: str, reduce_op: ReduceOp) -> Any:
+        sparse = _sparse_components(value)
+        if sparse is not None:  # TF: concatenated, whatever the accumulation_fn
+            return _reduce_sparse(_current_backend(), reduce_op, sparse, canonicalize(device))
         arrays = _arrays(value)
         backend = backend_with_order(_current_backend(), "sequential")
         if self.accumulation_fn is not None:  # it decides for itself what it accepts
@@ -574,9 +603,12 @@ class AllReduceCrossDeviceOps(CrossDeviceOps):
     ) -> Any:
         # The sim's model of TF's "devices match" test: the result lands on as many
         # devices as there are replicas (the values of the sim carry no device).
+        # IndexedSlices have no efficient all-reduce: TF splits a batch by sparsity and
+        # reduces the sparse values with ReductionToOneDevice (a gather).
         if (
             isinstance(destinations, DistributedValues)
             and len(destinations.values) == len(per_replica_value.values) > 1
+            and _sparse_components(per_replica_value) is None
         ):
             return self._all_reduce(reduce_op, per_replica_value, destinations)
         return self._simple_cross_replica_ops.reduce(

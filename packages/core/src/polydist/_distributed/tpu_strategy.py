@@ -47,8 +47,11 @@ import numpy as np
 from polydist._base.devices import DeviceSpec, canonicalize
 from polydist._base.reduce_op import ReduceOp
 from polydist._distributed.cluster import InReplicaContext, connect_cluster
+from polydist._strategies import context as _context
 from polydist._strategies.replica_context import ReplicaContext
 from polydist._strategies.strategy import Strategy, StrategyExtended
+from polydist._valuetypes import nest as _nest
+from polydist._valuetypes import variables as _variables
 from polydist.backend._contract import Backend, ReplicaChannel, get_backend, local_tpu_system
 from polydist.cluster_resolver import TPUClusterResolver
 from polydist.errors import InvalidArgumentError
@@ -393,6 +396,35 @@ class TPUExtended(StrategyExtended):
                 "gather axis too (XLA compiles TPU programs for static shapes); pad every "
                 "replica's value to the same size before gathering."
             ) from None
+
+    # -- non-slot variables (TF V1) ---------------------------------------------------------
+    def non_slot_devices(self, var_list: Sequence[Any]) -> str:
+        """The host's CPU device (TF's TPU ``non_slot_devices``): non-slot state, such as
+        an optimizer's step counters, lives once, on the host, not once per TPU core."""
+        del var_list
+        return self._host_device
+
+    def update_non_slot(
+        self,
+        colocate_with: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Runs ``fn(*args, **kwargs)`` once, on the host device (TF's TPU
+        ``update_non_slot``; ``colocate_with`` is ignored). Returns ``fn``'s result;
+        with ``group=False`` each of its values as a tuple of local results. A
+        distributed variable that ``fn`` writes is updated on every copy, once."""
+        del colocate_with
+        strategy = self._container_strategy()
+        _context.require_cross_replica_or_default_context(strategy)
+        kwargs = {} if kwargs is None else dict(kwargs)
+        with _variables._enter_strategy(strategy), self._backend.device_scope(self._host_device):
+            result = fn(*args, **kwargs)
+        if group:
+            return result
+        return _nest.map_structure(self._local_results, result)
 
     # -- running ------------------------------------------------------------------------
     def _call_for_each_replica(

@@ -145,7 +145,7 @@ class ExtendedVariablesMixin:
     def non_slot_devices(self, var_list: Sequence[Any]) -> Any:
         """Where to put variables that are not slots of another variable (TF V1): the
         replica devices (OneDevice: its device; default strategy: the variable of
-        ``var_list`` with the smallest name)."""
+        ``var_list`` with the smallest name; TPUStrategy overrides it: the host)."""
         if self._is_default():
             return min(var_list, key=lambda x: x.name)
         ext = self._ext()

@@ -9,9 +9,11 @@ import numpy as np
 
 from polydist._base.arrays import check_summable, convert_to_array, is_array, mean_from_sum
 from polydist._base.communication import call_options, check_call_options
+from polydist._base.devices import HOST_DEVICE
 from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._strategies import context as _context
 from polydist._valuetypes import nest as _nest
+from polydist._valuetypes.indexed_slices import IndexedSlices
 from polydist.backend._contract import ReplicaChannel
 from polydist.errors import InvalidArgumentError
 
@@ -95,7 +97,10 @@ class ReplicaContext:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Deprecated in TF: the devices of this replica."""
+        """Deprecated in TF: the devices of this replica (in the default replica context,
+        the current device: the host's CPU, as TF's ``(device_util.current(),)``)."""
+        if self._strategy is _context._get_default_mode().strategy:
+            return (HOST_DEVICE,)
         if self._replica_index is None:
             raise RuntimeError("devices is not available in a compiled (SPMD) replica context.")
         return (self._strategy.extended.worker_devices[self._replica_index],)
@@ -165,11 +170,19 @@ class ReplicaContext:
         """Concatenates ``value`` (a nest of arrays) from all replicas along ``axis``.
 
         Every replica gets the result. Sizes along ``axis`` may differ between
-        replicas (except on TPU); other dimensions must match.
+        replicas (except on TPU); other dimensions must match. ``IndexedSlices``
+        raise ``NotImplementedError``, as in TF.
         """
         _context.require_replica_context(self)
         check_call_options(options)
         flat, spec = _nest.flatten(_variables_snapshot(value))
+        for x in flat:
+            if isinstance(x, IndexedSlices):
+                raise NotImplementedError(
+                    "all_gather does not support IndexedSlices (TF), got one. all_gather "
+                    "its values and its indices separately (every replica's rows, in replica "
+                    "order), or pass a dense array."
+                )
         arrays = [convert_to_array(x) for x in flat]
         for a in arrays:
             _check_gather_axis(a, axis)

@@ -218,11 +218,13 @@ class StrategyExtended(ExtendedVariablesMixin):
 
         ``destinations`` is a device string (the result is one array there) or
         a distributed value or variable (the result is a ``Mirrored`` on its
-        devices). ``value`` may be a ``PerReplica``, a ``Mirrored`` or a plain
-        array that is taken to be the same on every replica.
+        devices); a list or tuple of devices raises ``ValueError`` (TF asserts).
+        ``value`` may be a ``PerReplica``, a ``Mirrored`` or a plain array that
+        is taken to be the same on every replica.
         """
         reduce_op = _check_reduce_op(reduce_op)
         _context.require_cross_replica_or_default_context(self._container_strategy())
+        _check_not_a_list(destinations, "reduce_to")
         with call_options(options):
             return self._reduce_to(reduce_op, value, destinations)
 
@@ -235,6 +237,9 @@ class StrategyExtended(ExtendedVariablesMixin):
         """``reduce_to`` over a list of ``(value, destinations)`` pairs."""
         reduce_op = _check_reduce_op(reduce_op)
         _context.require_cross_replica_or_default_context(self._container_strategy())
+        for pair in value_destination_pairs:
+            if isinstance(pair, tuple) and len(pair) == 2:
+                _check_not_a_list(pair[1], "batch_reduce_to")
         with call_options(options):  # its bytes_per_pack packs the batch across workers
             if self._cross_device_ops is not None:  # TF: cross_device_ops.batch_reduce
                 batched = _cross_device_ops.strategy_batch_reduce(
@@ -424,6 +429,18 @@ class StrategyExtended(ExtendedVariablesMixin):
         return result
 
     _gather_needs_same_shape = False
+
+
+def _check_not_a_list(destinations: Any, method: str) -> None:
+    """TF's ``reduce_to`` asserts that ``destinations`` is not a list or tuple."""
+    if isinstance(destinations, list | tuple):
+        raise ValueError(
+            f"{method} takes one destination, not a {type(destinations).__name__}: got "
+            f"{destinations!r}. Pass a device string (the result is one array there), or a "
+            "variable or distributed value such as a Mirrored (the result is a Mirrored on "
+            "its devices): to reach several devices, pass a variable or distributed value "
+            "that lives on them."
+        )
 
 
 def _replica_arrays(value: DistributedValues) -> list[Any]:
@@ -629,9 +646,24 @@ class Strategy:
 
         Sizes along ``axis`` may differ (not on TPU). A non-distributed value
         is returned as it is. Requires cross-replica (or default) context; in
-        replica context use ``get_replica_context().all_gather()``.
+        replica context use ``get_replica_context().all_gather()``. ``IndexedSlices``
+        (alone or per replica) raise ``NotImplementedError``, as in TF.
         """
         _context.require_cross_replica_or_default_context(self, _GATHER_MESSAGE)
+        for leaf in _nest.flatten(value)[0]:
+            components = leaf.values if isinstance(leaf, DistributedValues) else (leaf,)
+            if any(isinstance(c, IndexedSlices) for c in components):
+                got = (
+                    "an IndexedSlices"
+                    if leaf is components[0]
+                    else f"a {type(leaf).__name__} of them"
+                )
+                raise NotImplementedError(
+                    f"gather does not support IndexedSlices (TF), got {got}. Combine every "
+                    'replica\'s rows with strategy.reduce("SUM", value, axis=None) (it '
+                    "concatenates them), or gather dense arrays, such as the values and the "
+                    "indices gathered separately."
+                )
         return _nest.map_structure(
             lambda v: self._extended._gather_to(v, _current_device(), axis), value
         )
