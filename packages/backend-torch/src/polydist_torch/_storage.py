@@ -40,29 +40,28 @@ def _memory(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
+def _hold_weakly(registry: dict[int, weakref.ref[torch.Tensor]], key: int, tensor: Any) -> None:
+    """``registry[key]``: ``tensor``, weakly; the entry leaves when the tensor dies (unless
+    a newer tensor took the key: a reused id or address)."""
+    held = registry.get(key)
+    if held is not None and held() is tensor:
+        return
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        if registry.get(key) is ref:
+            del registry[key]
+
+    registry[key] = weakref.ref(tensor, forget)
+
+
 def mark_variable_storage(tensor: Any) -> None:
     """Records ``tensor`` as (part of) a variable's storage."""
     if not isinstance(tensor, torch.Tensor):
         return
-    key = id(tensor)
-    marked = _STORAGE.get(key)
-    if marked is None or marked() is not tensor:
-
-        def forget_id(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
-            if _STORAGE.get(key) is ref:  # not a newer tensor with a reused id
-                del _STORAGE[key]
-
-        _STORAGE[key] = weakref.ref(tensor, forget_id)
+    _hold_weakly(_STORAGE, id(tensor), tensor)
     address = _memory(tensor)
     if address:
-        previous = _BY_MEMORY.get(address)
-        if previous is None or previous() is not tensor:
-
-            def forget(ref: weakref.ref[torch.Tensor], address: int = address) -> None:
-                if _BY_MEMORY.get(address) is ref:  # not a newer tensor at a reused address
-                    del _BY_MEMORY[address]
-
-            _BY_MEMORY[address] = weakref.ref(tensor, forget)
+        _hold_weakly(_BY_MEMORY, address, tensor)
 
 
 def is_variable_storage(tensor: torch.Tensor) -> bool:
