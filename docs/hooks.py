@@ -153,6 +153,46 @@ NAME_TABLE: dict[str, list[tuple[str, str, str]]] = {
     "modules": [
         ("tf.distribute.cluster_resolver", "polydist.cluster_resolver", ""),
         ("tf.train.ClusterSpec", "polydist.cluster_resolver.ClusterSpec", ""),
+        (
+            "tf.distribute.cluster_resolver.TFConfigClusterResolver",
+            "polydist.cluster_resolver.TFConfigClusterResolver",
+            "",
+        ),
+        (
+            "tf.distribute.cluster_resolver.SimpleClusterResolver",
+            "polydist.cluster_resolver.SimpleClusterResolver",
+            "",
+        ),
+        (
+            "tf.distribute.cluster_resolver.UnionResolver",
+            "polydist.cluster_resolver.UnionResolver",
+            "",
+        ),
+        (
+            "tf.distribute.cluster_resolver.TPUClusterResolver",
+            "polydist.cluster_resolver.TPUClusterResolver",
+            "simulated slices, or a backend's own cores",
+        ),
+        (
+            "tf.distribute.cluster_resolver.SlurmClusterResolver",
+            "polydist.cluster_resolver.SlurmClusterResolver",
+            "reads the Slurm step's environment",
+        ),
+        (
+            "tf.distribute.cluster_resolver.KubernetesClusterResolver",
+            "polydist.cluster_resolver.KubernetesClusterResolver",
+            "needs `kubernetes` unless given `override_client`",
+        ),
+        (
+            "tf.distribute.cluster_resolver.KubernetesExecutableLocation",
+            "polydist.cluster_resolver.KubernetesExecutableLocation",
+            "",
+        ),
+        (
+            "tf.distribute.cluster_resolver.GCEClusterResolver",
+            "polydist.cluster_resolver.GCEClusterResolver",
+            "needs `googleapiclient` unless given `service`",
+        ),
         ("tf.data.Dataset", "polydist.data.Dataset", "over NumPy arrays"),
         ("tf.data.Options", "polydist.data.Options", ""),
         ("tf.data.experimental.AutoShardPolicy", "polydist.data.AutoShardPolicy", ""),

@@ -5,7 +5,10 @@ a strategy which cluster it runs in and which task this process is.
 `TFConfigClusterResolver` reads the ``TF_CONFIG`` environment variable,
 `SimpleClusterResolver` returns what it is given, `UnionResolver` merges
 several, and `TPUClusterResolver` describes a SIMULATED TPU slice (see
-`polydist.tpu.SIMULATED_SLICES`).
+`polydist.tpu.SIMULATED_SLICES`). `SlurmClusterResolver` reads a Slurm job
+step's environment; `KubernetesClusterResolver` and `GCEClusterResolver` ask
+the Kubernetes or Compute Engine API (their client packages are optional and
+imported only when no client or service object is passed in).
 """
 
 from polydist.cluster_resolver._base import (
@@ -20,6 +23,12 @@ from polydist.cluster_resolver._base import (
     set_accelerator_device_lister,
 )
 from polydist.cluster_resolver._cluster_spec import ClusterSpec, ClusterSpecLike
+from polydist.cluster_resolver._gce import GCEClusterResolver
+from polydist.cluster_resolver._kubernetes import (
+    KubernetesClusterResolver,
+    KubernetesExecutableLocation,
+)
+from polydist.cluster_resolver._slurm import SlurmClusterResolver
 from polydist.cluster_resolver._tfconfig import TFConfigClusterResolver
 from polydist.cluster_resolver._tpu import LOCAL_TPU_ENV, TPUClusterResolver, TPUSystemMetadata
 
@@ -30,7 +39,11 @@ __all__ = [
     "ClusterSpecLike",
     "DeviceAttributes",
     "DeviceLister",
+    "GCEClusterResolver",
+    "KubernetesClusterResolver",
+    "KubernetesExecutableLocation",
     "SimpleClusterResolver",
+    "SlurmClusterResolver",
     "TFConfigClusterResolver",
     "TPUClusterResolver",
     "TPUSystemMetadata",
