@@ -187,6 +187,13 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     out["host_sum"] = [
         as_numpy(strategy, strategy.reduce(pd.ReduceOp.SUM, np.float32(1.5), axis=None))
     ]
+    # A host value gathers as one component per worker (TF): every worker's copy.
+    host = np.arange(3, dtype=np.float32)
+    out["host_gather"] = [as_numpy(strategy, strategy.gather(host, axis=0))]
+    worker = int(out["replica_id"][0]) // D  # this worker's index (0 on the sim)
+    out["host_gather_workers"] = [
+        as_numpy(strategy, strategy.gather(np.full((1, 2), worker, np.int32), axis=0))
+    ]
     flags = strategy.experimental_distribute_values_from_function(
         lambda c: np.array([True, c.replica_id_in_sync_group % 2 == 0])
     )
