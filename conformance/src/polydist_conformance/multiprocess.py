@@ -187,6 +187,13 @@ def collectives(strategy: pd.Strategy) -> dict[str, list[np.ndarray]]:
     out["host_sum"] = [
         as_numpy(strategy, strategy.reduce(pd.ReduceOp.SUM, np.float32(1.5), axis=None))
     ]
+    # A host value gathers as one component per worker (TF): every worker's copy.
+    host = np.arange(3, dtype=np.float32)
+    out["host_gather"] = [as_numpy(strategy, strategy.gather(host, axis=0))]
+    worker = int(out["replica_id"][0]) // D  # this worker's index (0 on the sim)
+    out["host_gather_workers"] = [
+        as_numpy(strategy, strategy.gather(np.full((1, 2), worker, np.int32), axis=0))
+    ]
     flags = strategy.experimental_distribute_values_from_function(
         lambda c: np.array([True, c.replica_id_in_sync_group % 2 == 0])
     )
@@ -253,7 +260,15 @@ def program(strategy: pd.Strategy, steps: int = 3) -> dict[str, list[np.ndarray]
     return {**collectives(strategy), **sgd(strategy, steps)}
 
 
-MISMATCH_CASES = ("op", "shape", "reduce_op", "extra", "early_exit", "run_or_gather")
+MISMATCH_CASES = (
+    "op",
+    "shape",
+    "reduce_op",
+    "extra",
+    "early_exit",
+    "run_or_gather",
+    "chief_only_save",
+)
 
 
 def mismatch_site(marker: str) -> str:
@@ -265,7 +280,7 @@ def mismatch_site(marker: str) -> str:
     return f"{Path(__file__).name}:{hits[0]}"
 
 
-def mismatch(strategy: pd.Strategy, case: str, rank: int) -> None:
+def mismatch(strategy: pd.Strategy, case: str, rank: int, out: Path | None = None) -> None:
     """One agreeing collective, then worker 0 and worker 1 disagree on the next one. Each
     disagreeing call ends with ``# mismatch: <case>`` (and `` (worker <i>)`` where the
     workers' calls are on different lines): see `mismatch_site`."""
@@ -305,6 +320,19 @@ def mismatch(strategy: pd.Strategy, case: str, rank: int) -> None:
             strategy.run(sums_again, args=(values,))  # mismatch: run_or_gather (run)
         else:
             strategy.gather(values, axis=0)  # mismatch: run_or_gather (worker 1)
+    elif case == "chief_only_save":  # only the chief saves: its read of `total` is checked
+        with strategy.scope():
+            total = pd.Variable(
+                np.float32(0),
+                name="total",
+                synchronization=pd.VariableSynchronization.ON_READ,
+                aggregation=pd.VariableAggregation.SUM,
+            )
+        strategy.run(lambda: total.assign(np.float32(rank + 1)))
+        assert out is not None
+        if rank == 0:
+            pd.checkpoint.save(out / "ckpt", strategy)  # mismatch: chief_only_save (worker 0)
+        strategy.run(lambda: _ctx().all_reduce(pd.ReduceOp.SUM, np.float32(10)))
     else:
         raise ValueError(f"unknown mismatch case {case!r}; expected one of {MISMATCH_CASES}")
 
@@ -398,7 +426,7 @@ def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
         elif args.mode == "train":
             _train(strategy, args, out, rank)
         elif args.mode == "mismatch":
-            mismatch(strategy, args.case, rank)
+            mismatch(strategy, args.case, rank, out)
             (out / f"done{rank}").write_text(f"{time.time()}")
         else:
             strategy.run(lambda: _ctx().all_reduce(pd.ReduceOp.SUM, np.float32(1)))

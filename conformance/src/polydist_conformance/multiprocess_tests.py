@@ -398,6 +398,7 @@ class MultiWorkerTests:
             "merge_axis_mean",
             "gather",
             "host_sum",
+            "host_gather",
             "bool_refused",
             *(f"gather_{dtype}" for dtype in multiprocess.NARROW_DTYPES),
         ],
@@ -413,6 +414,9 @@ class MultiWorkerTests:
     def test_replica_ids_and_input_pipelines(self, worker_results: list[Results]) -> None:
         assert [int(x) for x in as_global(worker_results, "replica_id")] == [0, 1, 2, 3]
         assert float(same_everywhere(worker_results, "host_sum")) == 1.5 * WORKERS
+        # Each worker's own host value, gathered in worker order on every worker.
+        gathered = same_everywhere(worker_results, "host_gather_workers")
+        assert gathered.tolist() == [[w, w] for w in range(WORKERS)], gathered
         assert same_everywhere(worker_results, "bool_refused").tolist() == [True, True, True]
         pipelines = same_everywhere(worker_results, "input_pipelines")
         assert {tuple(p) for p in pipelines.tolist()} == {(WORKERS, 0), (WORKERS, 1)}

@@ -319,6 +319,32 @@ def test_a_step_against_a_gather_raises_collective_mismatch_on_both(tmp_path: Pa
     mpt.check_mismatch(ENGINE, tmp_path, "run_or_gather", TestMultiWorker.mismatch_at)
 
 
+def test_a_save_on_the_chief_only_raises_collective_mismatch_before_writing(
+    tmp_path: Path,
+) -> None:
+    """Audit F3: the chief's read of a SyncOnRead SUM variable in checkpoint.save paired up
+    with worker 1's all_reduce of a float32 scalar (the same signature): the chief saved
+    11.0 instead of 3.0 and worker 1 got 11. The save's collectives are now its own."""
+    codes = ENGINE.run(
+        tmp_path, "mismatch", "--case", "chief_only_save", "--timeout", mpt.MISMATCH_TIMEOUT
+    )
+    assert codes == [17, 17], mpt.stderr(tmp_path, 0)[-3000:]
+    for rank in range(mpt.WORKERS):
+        raised = mpt.error(tmp_path, rank)
+        assert raised["type"] == "CollectiveMismatchError", raised
+        message = raised["message"]
+        assert message.startswith("Workers disagree on their collective #"), message
+        site = multiprocess.mismatch_site("chief_only_save (worker 0)")
+        assert f"): checkpoint save: all_reduce(SUM) of float32[] at {site} in mismatch\n" in (
+            message
+        )
+        assert "\n  worker 1 (/job:worker/replica:0/task:1 at 127.0.0.1:" in message
+        assert "): all_reduce(SUM) of float32[] at " in message, message
+        assert "Worker(s) 0 are in a checkpoint save, worker(s) 1 are not." in message
+        assert "every worker must call it, not only the chief" in message
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+
+
 # --------------------------------------------------------------------------- the example
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "multi_worker_train.py"

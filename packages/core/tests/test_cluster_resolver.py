@@ -636,6 +636,7 @@ def test_tpu_resolver_v4_32(no_tpu_env: pytest.MonkeyPatch) -> None:
     assert resolver.master(rpc_layer="ignored") == "grpc://v4-32-w-0:8470"
     assert resolver.num_accelerators() == {"TPU": 4}
     assert resolver.environment == ""
+    assert resolver.rpc_layer == "grpc"  # TF's outside Google (audit F4: it was None)
     assert resolver.get_job_name() == "worker"
     assert resolver.get_coordination_service_leader() == "/job:worker/task:0"
     assert resolver.slice_spec.name == "v4-32"
@@ -726,6 +727,7 @@ def test_tpu_resolver_local(no_tpu_env: pytest.MonkeyPatch) -> None:
     resolver = TPUClusterResolver(tpu="local")
     assert resolver.cluster_spec() == ClusterSpec({})
     assert resolver.master() == ""
+    assert resolver.rpc_layer == "grpc"
     assert resolver.num_accelerators() == {"TPU": 8}
     metadata = resolver.get_tpu_system_metadata()
     assert (metadata.num_cores, metadata.num_hosts, metadata.num_of_cores_per_host) == (8, 1, 8)

@@ -21,6 +21,7 @@ from polydist._collectives.check import (
     PeerMissing,
     checks_enabled,
     collective_intent,
+    collective_purpose,
 )
 from polydist._distributed import multi_process as _multi_process
 from polydist._distributed.multi_process import Heartbeat
@@ -355,6 +356,30 @@ def test_the_outermost_intent_wins() -> None:
 
     assert _together(nested(a), nested(b)) == [None, None]
     assert store.data["cc/1/0"].startswith("all_reduce(MEAN) of float32[]\n")
+
+
+def test_a_checkpoint_saves_collective_never_pairs_with_a_users() -> None:
+    # Audit F3: the save's read (a SUM of a float32 scalar) and another worker's
+    # all_reduce of one had the same signature, so they paired up.
+    store = MemoryStore()
+    a, b = _checker(store, 0), _checker(store, 1)
+
+    def save() -> None:
+        with collective_purpose("checkpoint save"), collective_intent("SUM"):
+            _check(a, "all_reduce", np.dtype(np.float32), ())
+
+    def user() -> None:
+        with collective_intent("SUM"):
+            _check(b, "all_reduce", np.dtype(np.float32), ())
+
+    raised = _together(save, user)
+    for e in raised:
+        assert isinstance(e, CollectiveMismatchError), raised
+        assert "): checkpoint save: all_reduce(SUM) of float32[] at " in str(e)
+        assert "Worker(s) 0 are in a checkpoint save, worker(s) 1 are not." in str(e)
+        assert "every worker must call it, not only the chief" in str(e)
+    with pytest.raises(ValueError, match="unknown collective purpose"):
+        collective_purpose("restore")
 
 
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("0", False), ("off", False)])

@@ -233,6 +233,55 @@ def test_host_tensor_reduce_sums_once_per_worker(tf_config: SetConfig, gpus: int
     np.testing.assert_array_equal(np.stack(out), [[2, 2], [2, 2]])
 
 
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_host_value_gathers_once_per_worker(tf_config: SetConfig, gpus: int) -> None:
+    # TF's CrossDeviceOps._gather makes a plain tensor one component per worker: every
+    # worker's copy, concatenated in worker order (audit F1: the local copy came back).
+    tf_config({"worker": ["a:1", "b:1", "c:1"]}, "worker", 1)
+    strategy = pd.MultiWorkerMirroredStrategy(backend=sim(gpus))
+    gathered = strategy.gather(np.array([7.0], np.float32), axis=0)
+    np.testing.assert_array_equal(gathered, [7.0, 7.0, 7.0])
+    matrix = np.arange(6, dtype=np.int32).reshape(2, 3)
+    np.testing.assert_array_equal(
+        strategy.gather(matrix, axis=1), np.concatenate([matrix] * 3, axis=1)
+    )
+    np.testing.assert_array_equal(
+        strategy.gather(matrix, axis=-2), np.concatenate([matrix] * 3, axis=0)
+    )
+    nest = strategy.gather({"a": np.array([1.0, 2.0]), "b": np.zeros((1, 2), np.int64)}, axis=0)
+    np.testing.assert_array_equal(nest["a"], [1.0, 2.0] * 3)
+    np.testing.assert_array_equal(nest["b"], np.zeros((3, 2), np.int64))
+    plain = pd.Variable(np.array([1.0, 2.0], np.float32))
+    np.testing.assert_array_equal(strategy.gather(plain, axis=0), [1.0, 2.0] * 3)
+    with pytest.raises(pd.errors.InvalidArgumentError, match="rank >= 1"):
+        strategy.gather(np.float32(1.0), axis=0)
+
+
+def test_host_value_gather_is_a_collective_in_the_trace(tf_config: SetConfig) -> None:
+    from polydist._collectives.trace import trace
+
+    tf_config(TWO_WORKERS, "worker", 0)
+    strategy = pd.MultiWorkerMirroredStrategy(backend=sim())
+    with trace() as t:
+        strategy.gather(np.ones(3, np.float32), axis=0)
+    [event] = [e for e in t.events if e.op == "gather"]
+    assert event.participants == (
+        "/job:worker/replica:0/task:0/device:CPU:0",
+        "/job:worker/replica:0/task:1/device:CPU:0",
+    )
+
+
+def test_one_worker_gathers_a_host_value_as_it_is(tf_config: SetConfig) -> None:
+    # TF's non-distributed rule: a single worker (of one or several devices) returns it.
+    for strategy in (
+        pd.MultiWorkerMirroredStrategy(backend=sim(gpus=2)),
+        pd.MirroredStrategy(2, backend=sim(gpus=2)),
+        pd.get_strategy(),
+    ):
+        host = np.array([7.0], np.float32)
+        assert strategy.gather(host, axis=0) is host
+
+
 def test_host_bool_is_not_summed_across_workers(tf_config: SetConfig) -> None:
     tf_config(TWO_WORKERS, "worker", 0)
     strategy = pd.MultiWorkerMirroredStrategy(backend=sim())

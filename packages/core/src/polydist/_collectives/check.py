@@ -88,6 +88,7 @@ __all__ = [
     "SignatureStore",
     "checks_enabled",
     "collective_intent",
+    "collective_purpose",
 ]
 
 #: Environment variable: ``0`` turns the cross-process check off (default ``1``).
@@ -124,6 +125,7 @@ class _Intent(threading.local):
         self.active = False
         self.reduce_op: str | None = None
         self.source: Callable[[], str] | None = None
+        self.purpose: str | None = None
 
 
 _INTENT = _Intent()
@@ -153,6 +155,42 @@ class collective_intent:  # a class used like a function: ``with collective_inte
             _INTENT.active = False
             _INTENT.reduce_op = None
             _INTENT.source = None
+
+
+#: What a collective can be part of (`collective_purpose`) -> the advice a mismatch
+#: against it gives.
+PURPOSES = {
+    "checkpoint save": (
+        "A checkpoint save (polydist.checkpoint.save, train.Checkpoint.save or write, "
+        "CheckpointManager.save) reads SyncOnRead variables with collectives, so every "
+        "worker must call it, not only the chief: the others take part in the reads and "
+        "write nothing (see docs/multi-host.md). The save failed before writing anything."
+    ),
+}
+
+
+class collective_purpose:  # used like a function: ``with collective_purpose(...)``
+    """Marks the collectives issued inside as part of ``purpose`` (a key of `PURPOSES`):
+    their signatures say so, so that they never pair up with a user's collective of the
+    same array on another worker (the outermost one wins)."""
+
+    __slots__ = ("_purpose", "_set")
+
+    def __init__(self, purpose: str) -> None:
+        if purpose not in PURPOSES:
+            raise ValueError(f"unknown collective purpose {purpose!r}; expected one of {PURPOSES}")
+        self._purpose = purpose
+        self._set = False
+
+    def __enter__(self) -> None:
+        if _INTENT.purpose is None:
+            _INTENT.purpose = self._purpose
+            self._set = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._set:
+            self._set = False
+            _INTENT.purpose = None
 
 
 # -- the check ------------------------------------------------------------------------------
@@ -198,6 +236,8 @@ def _signature(
         dims[axis] = "*"  # all_gather: sizes along the axis may differ
     reduce_op = _INTENT.reduce_op if _INTENT.active else None
     what = f"{op}({reduce_op})" if reduce_op else f"{op}(axis={axis})" if axis is not None else op
+    if _INTENT.purpose is not None:
+        what = f"{_INTENT.purpose}: {what}"
     if parts is None:
         return f"{what} of {dtype_name(dtype)}[{','.join(dims)}]"
     # A pack of several arrays: every worker must pack the same shapes, in the same order.
@@ -567,6 +607,14 @@ class CollectiveChecker:
             name = self._names[r] if r < len(self._names) else "?"
             at = f" at {self._addresses[r]}" if r < len(self._addresses) else ""
             lines.append(f"  worker {r} ({name}{at}): {self._describe(calls[r], sites.get(r))}")
+        for purpose, advice in PURPOSES.items():
+            inside = [r for r, text in calls.items() if text.startswith(f"{purpose}: ")]
+            if inside and len(inside) < len(calls):
+                others = [r for r in sorted(calls) if r not in inside]
+                lines.append(
+                    f"Worker(s) {', '.join(map(str, inside))} are in a {purpose}, worker(s) "
+                    f"{', '.join(map(str, others))} are not. {advice}"
+                )
         lines.append(
             "Every worker must call the same collectives (all_reduce, all_gather, reduce, "
             "gather, variable creation) in the same order, with the same shapes, dtypes and "

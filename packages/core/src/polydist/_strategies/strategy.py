@@ -412,7 +412,10 @@ class StrategyExtended(ExtendedVariablesMixin):
 
     def _gather_to(self, value: Any, destination: str, axis: int) -> Any:
         if not isinstance(value, DistributedValues):
-            return value
+            group = self._host_group()
+            if group is None:
+                return value  # one worker: TF gives a non-distributed value back as it is
+            return self._gather_host_value(group, value, destination, axis)
         check_num_components(value, len(self._devices), "strategy.gather")
         components = _replica_arrays(value)
         for c in components:
@@ -426,6 +429,22 @@ class StrategyExtended(ExtendedVariablesMixin):
             0
         ]
         self._record("gather", None, components[0])
+        return result
+
+    def _gather_host_value(
+        self, group: _cross_device_ops.ReplicaGroup, value: Any, destination: str, axis: int
+    ) -> Any:
+        """A non-distributed value gathered across several workers: TF's
+        ``CrossDeviceOps._gather`` makes it one component per worker (as `_reduce_to`
+        reduces it over `_host_group`), so the result is every worker's copy
+        concatenated along ``axis`` in worker order, the same on every worker."""
+        array = convert_to_array(_variables.read_for_reduce(value))
+        _check_gather_axis(array, axis)
+        backend = group.backend
+        copies = [backend.place(array, d) for d in group.devices]  # this process's workers'
+        result = backend.all_gather(copies, axis, [destination])[0]
+        if group.participants is not None:
+            _cross_device_ops.record("gather", None, array, group.participants, backend)
         return result
 
     _gather_needs_same_shape = False
@@ -645,9 +664,14 @@ class Strategy:
         """Concatenates the per-replica components of ``value`` along ``axis`` on the host.
 
         Sizes along ``axis`` may differ (not on TPU). A non-distributed value
-        is returned as it is. Requires cross-replica (or default) context; in
-        replica context use ``get_replica_context().all_gather()``. ``IndexedSlices``
-        (alone or per replica) raise ``NotImplementedError``, as in TF.
+        (a host array, or what ``run`` returns with one replica per worker) is
+        returned as it is with one worker; with several workers
+        (``MultiWorkerMirroredStrategy``) it counts as one component per worker,
+        as in TF: the result is every worker's copy, concatenated in worker order
+        on every worker (``reduce`` counts it once per worker too). Requires
+        cross-replica (or default) context; in replica context use
+        ``get_replica_context().all_gather()``. ``IndexedSlices`` (alone or per
+        replica) raise ``NotImplementedError``, as in TF.
         """
         _context.require_cross_replica_or_default_context(self, _GATHER_MESSAGE)
         for leaf in _nest.flatten(value)[0]:

@@ -37,6 +37,7 @@ from typing import Any, cast
 import numpy as np
 
 from polydist._base.arrays import dtype_name
+from polydist._collectives.check import collective_purpose
 from polydist._strategies import context as _context
 from polydist._strategies.strategy import Strategy
 from polydist._valuetypes import nest as _nest
@@ -95,9 +96,12 @@ def save(
     items, strategy = _collect(variables_or_strategy_or_nest, "save")
     arrays: dict[str, np.ndarray] = {}
     info: dict[str, Any] = {}
-    for key, var in items:
-        arrays[key] = _saved_value(var)
-        info[key] = _saved_info(var)
+    # The reads' collectives (SyncOnRead values) are marked as the save's: a worker at a
+    # collective of its own instead raises CollectiveMismatchError, before any write.
+    with collective_purpose("checkpoint save"):
+        for key, var in items:
+            arrays[key] = _saved_value(var)
+            info[key] = _saved_info(var)
     if strategy is not None and not strategy.extended.should_checkpoint:
         return None
     # A nest of variables carries its strategies: only their chief writes.

@@ -19,7 +19,8 @@ What matches TensorFlow:
   and ``master()`` is ``""``.
 * ``num_accelerators()`` is ``{"TPU": cores_per_host}`` (``"local"``: the
   TPU devices of the one host).
-* ``environment`` is ``""``.
+* ``environment`` is ``""`` and ``rpc_layer`` is ``"grpc"`` (for ``"local"``
+  too), as TensorFlow sets them outside Google's internal environment.
 
 Simulation choices: each host's address is ``"<slice>-w-<i>:8470"`` (8470 is
 the Cloud TPU worker port, TensorFlow's ``_DEFAULT_ENDPOINT_PORT``); ``"local"``
@@ -191,6 +192,7 @@ class TPUClusterResolver(ClusterResolver):
 
         self.task_type = job_name
         self.task_id = 0
+        self.rpc_layer = "grpc"  # TF's, outside Google's internal environment
         self._coordinator_name = coordinator_name
         if coordinator_name and not coordinator_address:
             self._coordinator_address: str | None = _LOCAL_COORDINATOR_ADDRESS

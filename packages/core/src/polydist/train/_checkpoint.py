@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from polydist._base.arrays import dtype_name
+from polydist._collectives.check import collective_purpose
 from polydist._strategies import context as _context
 from polydist._valuetypes.variables import Variable, VariableAggregation, _components
 from polydist.checkpoint._io import (
@@ -386,7 +387,8 @@ class Checkpoint:
 
     def _write_to(self, path: Path, step: int, pointer: Mapping[str, Any] | None) -> Path | None:
         _require_cross_replica_train()
-        arrays, meta, strategies = self._gather()
+        with collective_purpose("checkpoint save"):  # its reads: see checkpoint.save
+            arrays, meta, strategies = self._gather()
         owners = {id(s): s for s in strategies}
         if _context.has_strategy():
             s = _context.get_strategy()
@@ -412,12 +414,13 @@ class Checkpoint:
                 "pass a prefix inside it, such as 'ckpts/ckpt' (saved as ckpts/ckpt-1, ...)"
             )
         _require_cross_replica_train()
-        counter = self.save_counter
-        counter.assign(np.asarray(self._counter_value() + 1, dtype=counter.dtype))
-        n = self._counter_value()
-        path = prefix.parent / f"{prefix.name}-{n}"
-        record = {"all": [path.name], "timestamps": [time.time()]}
-        out = self._write_to(path, n, record)
+        with collective_purpose("checkpoint save"):
+            counter = self.save_counter
+            counter.assign(np.asarray(self._counter_value() + 1, dtype=counter.dtype))
+            n = self._counter_value()
+            path = prefix.parent / f"{prefix.name}-{n}"
+            record = {"all": [path.name], "timestamps": [time.time()]}
+            out = self._write_to(path, n, record)
         return os.fspath(path if out is None else out)
 
     # -- restoring ------------------------------------------------------------------------------

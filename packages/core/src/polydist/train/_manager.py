@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from polydist._collectives.check import collective_purpose
 from polydist._valuetypes.variables import Variable
 from polydist.checkpoint._io import (
     CheckpointNotFoundError,
@@ -171,6 +172,10 @@ class CheckpointManager:
                 ):
                     return None
             self._last_checkpoint_step = current
+        with collective_purpose("checkpoint save"):  # see checkpoint.save
+            return self._save(checkpoint_number)
+
+    def _save(self, checkpoint_number: Any) -> str:
         counter = self._checkpoint.save_counter
         counter.assign(np.asarray(self._checkpoint._counter_value() + 1, dtype=counter.dtype))
         number = (
