@@ -14,6 +14,9 @@ worker, whose cluster comes from the environment (``TF_CONFIG``, set by
 * ``late`` (worker 1 only): sleeps instead of joining.
 * ``mismatch --case C``: the workers disagree on a collective (`mismatch`); writes
   ``OUT/done<i>`` if it returns.
+* ``caught --case before|after --fail-at K``: `caught`, a loop that catches every error
+  of ``strategy.run`` and goes on, while the last replica raises in step K; writes
+  ``OUT/caught<i>.json``.
 
 A worker that fails writes ``OUT/error<i>.json`` (the error's class and message) and
 exits with code 17.
@@ -337,6 +340,47 @@ def mismatch(strategy: pd.Strategy, case: str, rank: int, out: Path | None = Non
         raise ValueError(f"unknown mismatch case {case!r}; expected one of {MISMATCH_CASES}")
 
 
+CAUGHT_CASES = ("before", "after")
+
+
+def caught_expected(step: int) -> float:
+    """What every replica of `caught`'s ``step`` returns when nothing fails."""
+    replicas = 2 * D
+    return float(replicas * (10 * step + 1) + replicas * (10 * step + 2))
+
+
+def caught(strategy: pd.Strategy, case: str, fail_at: int, steps: int) -> list[dict[str, Any]]:
+    """``steps`` steps of two all_reduces each, in a loop that catches the errors of
+    ``strategy.run`` and goes on; in step ``fail_at`` the last replica (on the last
+    worker) raises ``ValueError``, ``before`` its first all_reduce or ``after`` it (its
+    worker's other replica then waits in the local part of a collective that never
+    runs across the workers). Returns each step's outcome: ``{"values": [...]}`` (this
+    worker's replicas') or ``{"type": ..., "message": ...}``."""
+    last = 2 * D - 1
+
+    def step_fn(step: int) -> Any:
+        ctx = _ctx()
+        failing = step == fail_at and int(ctx.replica_id_in_sync_group) == last
+        if failing and case == "before":
+            time.sleep(1.0)  # the peers wait in the step's collective (the fast path)
+            raise ValueError(f"replica {last} fails before its all_reduce")
+        x = ctx.all_reduce(pd.ReduceOp.SUM, np.float32(10 * step + 1))
+        if failing and case == "after":
+            time.sleep(1.0)
+            raise ValueError(f"replica {last} fails after its all_reduce")
+        return x + ctx.all_reduce(pd.ReduceOp.SUM, np.float32(10 * step + 2))
+
+    outcomes: list[dict[str, Any]] = []
+    for step in range(steps):
+        try:
+            result = strategy.run(step_fn, args=(step,))
+            values = [float(v) for v in local_components(strategy, result)]
+            outcomes.append({"values": values})
+        except Exception as e:  # what the program under test does: go on
+            outcomes.append({"type": type(e).__name__, "message": str(e)})
+    return outcomes
+
+
 def save(path: Path, results: dict[str, list[np.ndarray]]) -> None:
     """Writes ``results`` for `load`."""
     arrays = {f"{k}#{i}": v for k, vs in results.items() for i, v in enumerate(vs)}
@@ -402,17 +446,32 @@ def wait_for_peers(out: Path, rank: int, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def wait_for_peers_outcome(out: Path, rank: int, name: str, seconds: float = 30.0) -> None:
+    """Worker 0 waits (at most ``seconds``) until every worker wrote ``OUT/<name><i>.json``
+    (see `wait_for_peers`)."""
+    if rank != 0:
+        return
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        joined = {p.name.removeprefix("joined") for p in out.glob("joined*")}
+        ended = {p.name.removeprefix(name).removesuffix(".json") for p in out.glob(f"{name}*")}
+        if joined <= ended:
+            return
+        time.sleep(0.05)
+
+
 def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("mode", choices=["compute", "train", "late", "mismatch"])
+    parser.add_argument("mode", choices=["compute", "train", "late", "mismatch", "caught"])
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ckpt")
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--stall-at", type=int)
     parser.add_argument("--slow", type=float, default=0.0)
-    parser.add_argument("--case", choices=MISMATCH_CASES)
+    parser.add_argument("--case", choices=MISMATCH_CASES + CAUGHT_CASES)
+    parser.add_argument("--fail-at", type=int, default=0)
     args = parser.parse_args()
     out = Path(args.out)
     rank = int(os.environ.get("RANK", "0"))
@@ -428,6 +487,10 @@ def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
         elif args.mode == "mismatch":
             mismatch(strategy, args.case, rank, out)
             (out / f"done{rank}").write_text(f"{time.time()}")
+        elif args.mode == "caught":
+            outcomes = caught(strategy, args.case, args.fail_at, args.steps)
+            (out / f"caught{rank}.json").write_text(json.dumps(outcomes))
+            wait_for_peers_outcome(out, rank, "caught")
         else:
             strategy.run(lambda: _ctx().all_reduce(pd.ReduceOp.SUM, np.float32(1)))
     except Exception as e:

@@ -129,6 +129,47 @@ def test_a_worker_that_ended_is_named_by_the_one_still_calling(tmp_path: Path) -
     assert "): left the cluster after 1 collective(s) (its program ended" in message, message
 
 
+@pytest.mark.parametrize(("case", "fail_at"), [("before", 0), ("after", 3)])
+def test_an_error_caught_in_a_step_fails_the_cluster_on_both(
+    tmp_path: Path, case: str, fail_at: int
+) -> None:
+    """Replica 3 (worker 1) raises inside strategy.run and the program catches it and goes
+    on: its worker's other replica waited in a collective that never ran across the
+    workers, so their collectives are out of step. Both workers raise from then on (worker
+    1 CancelledError, worker 0 CollectiveMismatchError naming worker 1's error), and no
+    step returns a wrong value. Step 3 is in the fast path (a repeated step)."""
+    steps = fail_at + 3
+    args = ("caught", "--case", case, "--fail-at", str(fail_at), "--steps", str(steps))
+    assert ENGINE.run(tmp_path, *args, "--timeout", "20", timeout=90) == [0, 0]
+    outcomes = [json.loads((tmp_path / f"caught{w}.json").read_text()) for w in range(mpt.WORKERS)]
+    for w, steps_of in enumerate(outcomes):
+        assert len(steps_of) == steps
+        for step, outcome in enumerate(steps_of):
+            if step < fail_at:
+                assert outcome == {"values": [multiprocess.caught_expected(step)] * mpt.D}
+            else:  # never a value: every step from the failed one on raises
+                assert "values" not in outcome, (w, step, outcome)
+    failed, survivor = outcomes[1], outcomes[0]
+    assert failed[fail_at]["type"] == "ValueError"
+    assert f"replica 3 fails {case} its all_reduce" in failed[fail_at]["message"]
+    for later in failed[fail_at + 1 :]:
+        assert later["type"] == "CancelledError", later
+        assert "cannot run: the cluster failed earlier" in later["message"]
+        assert "strategy.run raised ValueError: replica 3 fails" in later["message"]
+    first = survivor[fail_at]
+    assert first["type"] == "CollectiveMismatchError", first
+    message = first["message"]
+    assert "worker(s) 1 raised an error that left the cluster's collectives out of step" in (
+        message
+    )
+    assert "  worker 1 (/job:worker/replica:0/task:1 at 127.0.0.1:" in message
+    assert f"strategy.run raised ValueError: replica 3 fails {case} its all_reduce" in message
+    assert "restart them all" in message
+    for later in survivor[fail_at + 1 :]:
+        assert later["type"] == "CollectiveMismatchError", later
+        assert "cannot run: the cluster failed earlier" in later["message"]
+
+
 # --------------------------------------------------------------------------- in-process
 
 

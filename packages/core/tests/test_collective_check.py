@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from polydist import errors
 from polydist._collectives.check import (
     CHECK_ENV,
     CollectiveChecker,
@@ -745,7 +746,7 @@ def test_heartbeats_tell_which_fast_collective_a_worker_is_in() -> None:
         deadline = time.monotonic() + 10
         while "hb/1" not in store.data and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert store.data["hb/1"].split()[1:] == ["7", "0"]
+        assert store.data["hb/1"].split()[1:] == ["7", "0", "0"]
         fast[0] = 7
         while watcher.fast_at(7) != [1] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -754,3 +755,117 @@ def test_heartbeats_tell_which_fast_collective_a_worker_is_in() -> None:
     finally:
         watcher.stop(wait=5)
         worker.stop(wait=5)
+
+
+# --------------------------------------------------------------------------- a worker abandons
+
+
+def test_heartbeats_tell_that_a_worker_abandoned_the_cluster() -> None:
+    """``<beat> <collectives> <fast> <failed>``: the peers learn the flag, and a peer's
+    check stops predicting (its next collective goes through the store)."""
+    store = MemoryStore()
+    failed = [False]
+    watcher = Heartbeat(lambda: store, 0, 2, lambda: 0)
+    worker = Heartbeat(lambda: store, 1, 2, lambda: 3, failed=lambda: failed[0])
+    try:
+        deadline = time.monotonic() + 10
+        while "hb/1" not in store.data and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.failed() == []
+        failed[0] = True
+        while watcher.failed() != [1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.failed() == [1] and worker.failed() == []
+    finally:
+        watcher.stop(wait=5)
+        worker.stop(wait=5)
+
+
+def test_a_peer_at_the_abandoned_collective_raises_naming_the_error() -> None:
+    """Worker 1 abandons after one agreed collective: worker 0, at collective #2, raises
+    CollectiveMismatchError naming worker 1's error, and knows that the peer failed."""
+    store = MemoryStore()
+    a, b = _checker(store, 0), _checker(store, 1)
+    _together(
+        lambda: _check(a, "all_reduce", np.dtype(np.float32), (3,)),
+        lambda: _check(b, "all_reduce", np.dtype(np.float32), (3,)),
+    )
+    b.abandon("strategy.run raised ValueError: replica 3\nfails (after 1 collective(s))")
+    with pytest.raises(CollectiveMismatchError) as raised:
+        _check(a, "all_reduce", np.dtype(np.float32), (3,))
+    message = str(raised.value)
+    assert message.startswith("Collective #2 cannot run: worker(s) 1 raised an error"), message
+    assert (
+        "  worker 1 (/job:worker/replica:0/task:1 at 10.0.0.2:2222): strategy.run raised "
+        "ValueError: replica 3 fails (after 1 collective(s)); it calls no more collectives"
+    ) in message
+    assert "restart them all" in message
+    assert a.peer_failed and not b.peer_failed
+
+
+class _Membership(_multi_process.ClusterMembership):
+    engine_errors = (RuntimeError,)
+
+    def translate(self, what: str, err: BaseException) -> errors.OpError:
+        return errors.UnavailableError(f"{what}: {err}")
+
+
+def _membership(store: MemoryStore, rank: int) -> _Membership:
+    member = _Membership(
+        rank=rank,
+        world_size=2,
+        timeout=20.0,
+        names=[f"/job:worker/replica:0/task:{r}" for r in range(2)],
+        addresses=[f"10.0.0.{r + 1}:2222" for r in range(2)],
+    )
+    member.checker = _checker(store, rank)
+    return member
+
+
+def test_an_error_that_escaped_a_run_fails_the_cluster_on_both_workers() -> None:
+    """`ClusterMembership.abandon`: this worker's next collective raises CancelledError
+    (without running), the peer's CollectiveMismatchError; then the peer's cluster has
+    failed too."""
+    store = MemoryStore()
+    a, b = _membership(store, 0), _membership(store, 1)
+    b.abandon(ValueError("replica 3 fails"))
+    assert b.abandoned and isinstance(b.failure, errors.CancelledError)
+    ran: list[int] = []
+    b.checked("all_reduce", np.dtype(np.float32), (3,), None, lambda: None)  # no check
+    with pytest.raises(errors.CancelledError) as raised:
+        b.call("all_reduce", lambda: ran.append(1))
+    assert ran == []
+    message = str(raised.value)
+    assert message.startswith("all_reduce cannot run: the cluster failed earlier"), message
+    assert "strategy.run raised ValueError: replica 3 fails on worker 1 (" in message
+    assert "after its collective #0" in message
+    b.abandon(RuntimeError("again"))  # once failed, nothing more is published
+    assert "again" not in store.data["cc/1/1"]
+    with pytest.raises(CollectiveMismatchError, match=r"worker\(s\) 1 raised an error"):
+        a.checked("all_reduce", np.dtype(np.float32), (3,), None, lambda: None)
+    assert isinstance(a.failure, CollectiveMismatchError)
+    with pytest.raises(CollectiveMismatchError, match="cannot run: the cluster failed earlier"):
+        a.call("all_reduce", lambda: ran.append(1))
+    assert ran == []
+
+
+def test_a_mismatch_every_worker_raised_does_not_fail_the_cluster() -> None:
+    """A CollectiveMismatchError of the check (every worker raises it at the same
+    collective) escaping strategy.run leaves the cluster usable; any other error ends it,
+    and one worker has nobody to tell."""
+    store = MemoryStore()
+    a, b = _membership(store, 0), _membership(store, 1)
+    raised = _together(
+        lambda: a.checked("all_reduce", np.dtype(np.float32), (3,), None, lambda: None),
+        lambda: b.checked("all_reduce", np.dtype(np.float32), (4,), None, lambda: None),
+    )
+    assert all(isinstance(e, CollectiveMismatchError) for e in raised)
+    for member, error in zip((a, b), raised, strict=True):
+        assert error is not None
+        member.abandon(error)
+        assert member.failure is None and not member.abandoned
+    a.abandon(CollectiveMismatchError("replicas of worker 0 disagree"))  # not the check's
+    assert isinstance(a.failure, errors.CancelledError)
+    alone = _Membership(rank=0, world_size=1, timeout=1.0, names=["w"], addresses=[""])
+    alone.abandon(ValueError("x"))
+    assert alone.failure is None

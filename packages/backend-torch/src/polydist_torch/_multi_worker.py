@@ -434,7 +434,9 @@ class _ProcessGroup(mp.ClusterMembership):
     def _wait_watching(self, work: Any) -> None:
         """Waits for gloo's ``work`` in slices, looking at the heartbeats in between: a
         fast collective was issued before the peers were known to be there, so a hung
-        peer is named as at the check's wait (about 6 s), not after the timeout."""
+        peer is named as at the check's wait (about 6 s), not after the timeout, and a
+        peer that abandoned the cluster (`ClusterMembership.abandon`: it never joins)
+        within about a second."""
         deadline = None
         while True:
             try:
@@ -446,10 +448,13 @@ class _ProcessGroup(mp.ClusterMembership):
             if deadline is None:  # after the first slice (most waits end within it)
                 deadline = time.monotonic() + self.timeout
             silent = self.heartbeat.silent() if self.heartbeat is not None else []
-            if silent or time.monotonic() > deadline:
+            failed = self.heartbeat.failed() if self.heartbeat is not None else []
+            if silent or failed or time.monotonic() > deadline:
                 why = (
                     f"worker(s) {', '.join(map(str, silent))} stopped sending heartbeats"
                     if silent
+                    else f"worker(s) {', '.join(map(str, failed))} abandoned the cluster"
+                    if failed
                     else f"timed out after {self.timeout:g} s"
                 )
                 raise PeerMissing(f"{why} while worker {self.rank} waited in the collective")
@@ -692,6 +697,11 @@ class TorchProcessGroupBackend(TorchBackend):
         return f"TorchProcessGroupBackend({where})"
 
     # -- the cluster -------------------------------------------------------------------------
+    def cluster_membership(self) -> _ProcessGroup | None:
+        """This process's membership in its cluster of several workers, if it joined one
+        (`polydist.backend.multiprocess.ClusterMembership`)."""
+        return self._group if self.connected else None
+
     @property
     def connected(self) -> bool:
         """Whether this process has joined a cluster of several workers."""

@@ -98,6 +98,8 @@ CHECK_ENV = "POLYDIST_CHECK_COLLECTIVES"
 _SLICE_SECONDS = 0.5
 # What a worker publishes as its next signature when it leaves the cluster.
 _LEFT = "left"
+# ... and when an error on it left the cluster's collectives out of step (`abandon`).
+_FAILED = "failed"
 # How a mismatch names a worker whose signature did not arrive.
 _ABSENT = "(did not publish its collective)"
 #: How long worker 0 waits for the others to read a mismatch before raising it.
@@ -330,6 +332,8 @@ class CollectiveChecker:
         self.seq = 0  # collectives checked (or, with checks off, counted)
         self._passed = 0  # every worker has published signatures up to here
         self._deleted = 0  # this worker's signatures up to here are deleted
+        #: A peer published that an error left the cluster out of step (`abandon`).
+        self.peer_failed = False
         store.set(f"cc/mode/{rank}", "1" if enabled else "0")
         if heartbeat is not None:
             heartbeat.add_chore(self._delete_old)
@@ -404,7 +408,8 @@ class CollectiveChecker:
         if any(f[0] != pending.signature or f[2] is not None for f in fields):
             self._predicting = False
             wires = [f[2] for f in fields if f[2] is not None]
-            if wires and self._release is not None:
+            # (Not with a failed peer: it never joins, so the release would wait for it.)
+            if wires and self._release is not None and all(f[0] != _FAILED for f in fields):
                 # Fast peers issued their collective: complete it (with zeros) so that
                 # they see the mismatch instead of waiting in it.
                 self._release(wires[0])
@@ -492,7 +497,9 @@ class CollectiveChecker:
             text = got[0] if got is not None else pending.signature
             call = _fields(text)[0]
             if call != pending.signature:  # its call site is not known yet
-                found[r] = self._describe(text, None) if call == _LEFT else call
+                if call == _FAILED:
+                    self.peer_failed = True
+                found[r] = self._describe(text, None) if call in (_LEFT, _FAILED) else call
         return found
 
     def report_site(self, pending: Pending, site: str, readers: Sequence[int]) -> None:
@@ -508,7 +515,7 @@ class CollectiveChecker:
         reads the others'. Worker 0 returns once the others have read (`_linger`)."""
         source = _INTENT.source if _INTENT.active and _INTENT.source is not None else None
         sites = {self._rank: source() if source is not None else _trace.user_source_line()}
-        peers = [r for r in self._others if _fields(calls[r])[0] not in (_LEFT, _ABSENT)]
+        peers = [r for r in self._others if _fields(calls[r])[0] not in (_LEFT, _FAILED, _ABSENT)]
         try:
             self._store.set(f"cc/{n}/where/{self._rank}", sites[self._rank])
             seconds = min(self._timeout, _LINGER_SECONDS)
@@ -533,6 +540,18 @@ class CollectiveChecker:
                 return
             if self._heartbeat is not None and self._heartbeat.silent():
                 return
+
+    def abandon(self, reason: str) -> None:
+        """Publishes that this worker calls no more collectives: an error on it
+        (``reason``, e.g. ``strategy.run raised ValueError: ...``) left the cluster's
+        collectives out of step. A peer at this worker's next collective (or at the
+        collective it left) then raises `CollectiveMismatchError` naming it, and a peer
+        that would take the fast path learns it from this worker's heartbeat instead."""
+        self._predicting = False
+        if self._enabled is False:
+            return
+        text = " ".join(reason.split())  # one line: the value's fields are lines
+        self._store.set(f"cc/{self.seq + 1}/{self._rank}", f"{_FAILED}\n{text}")
 
     def leave(self) -> None:
         """Publishes that this worker left the cluster (its program ended, or it called
@@ -587,11 +606,16 @@ class CollectiveChecker:
                 f"left the cluster after {rest} collective(s) (its program ended, or it "
                 "called shutdown)"
             )
+        if call == _FAILED:
+            return f"{rest}; it calls no more collectives"
         return f"{call} at {site or '(its call site did not arrive)'}"
 
     def _mismatch(
         self, n: int, calls: dict[int, str], sites: dict[int, str]
     ) -> CollectiveMismatchError:
+        failed = [r for r in sorted(calls) if _fields(calls[r])[0] == _FAILED]
+        if failed:
+            return self._failed_peer(n, calls, sites, failed)
         if any(_fields(text)[2] is not None for text in calls.values()):
             what = (
                 "so no worker used it (those that issued it, as the repeat of earlier "
@@ -624,9 +648,37 @@ class CollectiveChecker:
         )
         return CollectiveMismatchError("\n".join(lines))
 
+    def _failed_peer(
+        self, n: int, calls: dict[int, str], sites: dict[int, str], failed: Sequence[int]
+    ) -> CollectiveMismatchError:
+        """The mismatch when workers ``failed`` published `abandon`: the cluster is out of
+        step for good (prediction stops and `peer_failed` is set)."""
+        self.peer_failed = True
+        self._predicting = False
+        lines = [
+            f"Collective #{n} cannot run: worker(s) {', '.join(map(str, failed))} raised an "
+            "error that left the cluster's collectives out of step (a replica raised while "
+            "others waited in a collective, which then never ran across the workers), so no "
+            "worker issued it; run on, the workers would pair one step's collectives with "
+            "another's and compute wrong values.",
+        ]
+        for r in sorted(calls):
+            name = self._names[r] if r < len(self._names) else "?"
+            at = f" at {self._addresses[r]}" if r < len(self._addresses) else ""
+            lines.append(f"  worker {r} ({name}{at}): {self._describe(calls[r], sites.get(r))}")
+        lines.append(
+            "The cluster cannot be used any more: stop every worker and restart them all, from "
+            "the latest checkpoint (polydist launch stops the others when one fails). Do not "
+            "catch an error of strategy.run and go on in a multi-worker program."
+        )
+        return CollectiveMismatchError("\n".join(lines))
+
     def _delete_old(self, store: Any) -> None:
         """A heartbeat chore: deletes this worker's signatures that no worker reads any more
         (every worker published ``n``, so all are past their check of ``n - 1``)."""
+        failed = getattr(self._heartbeat, "failed", None)
+        if self._predicting and failed is not None and failed():
+            self._predicting = False  # a peer abandoned the cluster: check through the store
         budget = time.monotonic() + _SLICE_SECONDS / 2  # keep the heartbeat on time
         upto = self._passed - 1
         while self._deleted < upto and time.monotonic() < budget:

@@ -49,10 +49,11 @@ class HeartbeatStore(Protocol):
 
 
 class Heartbeat:
-    """A daemon thread that writes ``"<beat> <collectives> <fast>"`` under ``hb/<worker>``
-    every `HEARTBEAT_SECONDS` and watches the other workers' entries (``<fast>``: the
-    number of the latest collective this worker issued on the check's fast path, 0 for
-    none; see ``polydist._collectives.check``).
+    """A daemon thread that writes ``"<beat> <collectives> <fast> <failed>"`` under
+    ``hb/<worker>`` every `HEARTBEAT_SECONDS` and watches the other workers' entries
+    (``<fast>``: the number of the latest collective this worker issued on the check's
+    fast path, 0 for none; see ``polydist._collectives.check``; ``<failed>``: 1 once an
+    error on this worker left the cluster out of step, `ClusterMembership.abandon`).
 
     When a collective fails, `diagnose` tells the workers whose heartbeat stopped
     (dead, hung or cut off) from those alive but behind (they have not entered
@@ -67,13 +68,16 @@ class Heartbeat:
         world_size: int,
         collectives: Callable[[], int | None],
         fast: Callable[[], int] = lambda: 0,
+        failed: Callable[[], bool] = lambda: False,
     ) -> None:
         self._make_store = make_store
         self._rank = rank
         self._others = [r for r in range(world_size) if r != rank]
         self._collectives = collectives
         self._fast_now = fast
+        self._failed_now = failed
         self._fast: dict[int, int] = {}  # worker -> its latest fast collective
+        self._failed: list[int] = []  # the workers whose heartbeat says they abandoned
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._store_error: BaseException | None = None
@@ -95,7 +99,8 @@ class Heartbeat:
                 if count is None:  # the group is gone
                     return
                 beat += 1
-                store.set(f"hb/{self._rank}", f"{beat} {count} {self._fast_now()}")
+                failed = int(self._failed_now())
+                store.set(f"hb/{self._rank}", f"{beat} {count} {self._fast_now()} {failed}")
                 self._watch(store)
                 for chore in list(self._chores):
                     chore(store)
@@ -113,6 +118,8 @@ class Heartbeat:
             beat, count, *rest = (int(x) for x in value.split())
             with self._lock:
                 self._fast[r] = rest[0] if rest else 0
+                if len(rest) > 1 and rest[1] and r not in self._failed:
+                    self._failed.append(r)
                 previous = self._seen.get(r)
                 if previous is None or previous[0] != (beat, count):
                     self._seen[r] = ((beat, count), now)
@@ -128,6 +135,12 @@ class Heartbeat:
         """The workers whose latest heartbeat says they are in fast collective ``n``."""
         with self._lock:
             return [r for r, fast in self._fast.items() if fast == n]
+
+    def failed(self) -> list[int]:
+        """The workers whose heartbeat says an error on them left the cluster out of step
+        (`ClusterMembership.abandon`): they will not join another collective."""
+        with self._lock:
+            return list(self._failed)
 
     def silent(self, seconds: float = 2 * _SILENCE_SECONDS) -> list[int]:
         """The workers whose heartbeat this thread has seen unchanged for ``seconds`` (dead,
@@ -226,6 +239,11 @@ class ClusterMembership:
         self.entering = False
         self.failure: errors.OpError | errors.CollectiveMismatchError | None = None
         self.in_fast = 0  # the latest collective issued on the check's fast path
+        # An error on this worker left the cluster out of step (`abandon`).
+        self.abandoned = False
+        # id() of the latest CollectiveMismatchError every worker raised alike (the
+        # cluster stays usable after it, so `abandon` lets it pass).
+        self._agreed: int | None = None
         self.heartbeat: Heartbeat | None = None
         self.checker: CollectiveChecker | None = None
 
@@ -251,7 +269,13 @@ class ClusterMembership:
             member = me()
             return 0 if member is None else member.in_fast
 
-        self.heartbeat = Heartbeat(make_store, self.rank, self.world_size, collectives, fast)
+        def failed() -> bool:
+            member = me()
+            return member is not None and member.abandoned
+
+        self.heartbeat = Heartbeat(
+            make_store, self.rank, self.world_size, collectives, fast, failed
+        )
         self.checker = CollectiveChecker(
             make_store(),
             self.rank,
@@ -302,8 +326,9 @@ class ClusterMembership:
             pending = self.checker.publish(op, dtype, shape, axis, payload, parts)
             prepared = prepare()
             return prepared, self.checker.confirm(pending)
-        except errors.CollectiveMismatchError:
-            raise  # no worker issued it: the cluster is still usable
+        except errors.CollectiveMismatchError as e:
+            self._mismatched(e)  # no worker issued it: the cluster is still usable
+            raise
         except self.engine_errors as e:
             self.collectives += 1  # the collective it was entering, for the diagnosis
             raise self.failed(op, e) from e
@@ -336,8 +361,9 @@ class ClusterMembership:
             else:
                 self.checker.confirm(pending)
             return prepared, pending
-        except errors.CollectiveMismatchError:
-            raise  # every worker issued the same number of collectives: still usable
+        except errors.CollectiveMismatchError as e:
+            self._mismatched(e)  # every worker issued the same number of collectives
+            raise
         except self.engine_errors as e:
             self.collectives += 1
             raise self.failed(op, e) from e
@@ -354,7 +380,52 @@ class ClusterMembership:
             if pending.fast:
                 self.checker.settled(pending)
             return
-        raise self.checker.fast_mismatch(pending)
+        mismatch = self.checker.fast_mismatch(pending)
+        self._mismatched(mismatch)
+        raise mismatch
+
+    def _mismatched(self, mismatch: errors.CollectiveMismatchError) -> None:
+        """Every worker raises ``mismatch`` at the same collective: the cluster stays
+        usable (`abandon` lets it pass), unless a peer abandoned it (then it failed)."""
+        if getattr(self.checker, "peer_failed", False):  # (a stand-in checker may lack it)
+            self.failure = mismatch
+        else:
+            self._agreed = id(mismatch)
+
+    def abandon(self, err: BaseException, where: str = "strategy.run") -> None:
+        """``err`` escaped ``where`` on this worker, whose replicas may have left the
+        cluster's collectives out of step: one waited in a collective that another
+        replica's error kept from running across the workers, so this worker's collective
+        count lags the peers' and its next step's collectives would pair with their
+        current ones (wrong values, not an error). The cluster fails: this worker's next
+        collective raises ``CancelledError``, and the check publishes the failure
+        (`CollectiveChecker.abandon`, the heartbeat's flag), so that the peers' pending
+        or next collective raises ``CollectiveMismatchError`` naming this worker and
+        ``err``. Nothing happens for one worker, a cluster that failed already, or a
+        mismatch every worker raised alike (the workers are still in step)."""
+        if self.world_size < 2 or self.failure is not None or id(err) == self._agreed:
+            return
+        said = " ".join(str(err).split())
+        if len(said) > _REASON_CHARS:
+            said = said[: _REASON_CHARS - 3] + "..."
+        raised = f"{type(err).__name__}: {said}" if said else type(err).__name__
+        reason = f"{where} raised {raised} (after {self.collectives} collective(s))"
+        self.failure = errors.CancelledError(
+            f"{where} raised {raised} on worker {self.describe([self.rank])} after its "
+            f"collective #{self.collectives}, which may have left the cluster's collectives "
+            "out of step (a replica raised while others waited in a collective, which then "
+            "never ran across the workers): no collective can run any more, and the other "
+            "workers raise too. Stop every worker and restart them all, from the latest "
+            "checkpoint (polydist launch stops the others when one fails)"
+        )
+        if self.checker is not None:
+            try:
+                self.checker.abandon(reason)
+            except Exception:  # the store (worker 0) is gone: the peers see that instead
+                pass
+        # Then the heartbeat's flag, for the peers in a fast collective (they read the
+        # signature just written).
+        self.abandoned = True
 
     def announce(self, op: str) -> Pending | None:
         """For an engine that compares the workers' digests of collective ``op`` in a
@@ -462,6 +533,9 @@ class ClusterMembership:
 
 
 _T = TypeVar("_T")
+
+# How much of an error's message `ClusterMembership.abandon` publishes.
+_REASON_CHARS = 300
 
 
 def once_per_process(make: Callable[[], _T]) -> Callable[[], _T]:

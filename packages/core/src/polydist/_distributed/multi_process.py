@@ -364,10 +364,26 @@ class MultiProcessExtended(MultiWorkerExtended):
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if self._replica_offset == 0:
-            return super()._call_for_each_replica(fn, args, kwargs)
-        wrapped = InReplicaContext(fn, _WorkerReplicaContext)
-        return super()._call_for_each_replica(wrapped, args, kwargs)
+        try:  # free on the success path
+            if self._replica_offset == 0:
+                return super()._call_for_each_replica(fn, args, kwargs)
+            wrapped = InReplicaContext(fn, _WorkerReplicaContext)
+            return super()._call_for_each_replica(wrapped, args, kwargs)
+        except BaseException as e:
+            self._abandon(e, "strategy.run")
+            raise
+
+    def _abandon(self, err: BaseException, where: str) -> None:
+        """``err`` escaped ``where``, which may have left this worker's collectives out of
+        step with the other workers': the cluster fails, and says so to the peers
+        (`ClusterMembership.abandon`), instead of pairing one step's collectives with
+        another's."""
+        if self._num_workers == 1:
+            return
+        membership = getattr(self._backend, "cluster_membership", None)
+        member = membership() if membership is not None else None
+        if isinstance(member, ClusterMembership):
+            member.abandon(err, where)
 
     def _run_across_processes(self) -> bool:
         return self._num_workers > 1
