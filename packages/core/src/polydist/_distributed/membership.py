@@ -243,7 +243,7 @@ class ClusterMembership:
         self.abandoned = False
         # id() of the latest CollectiveMismatchError every worker raised alike (the
         # cluster stays usable after it, so `abandon` lets it pass).
-        self._agreed: int | None = None
+        self._agreed_mismatch: int | None = None
         self.heartbeat: Heartbeat | None = None
         self.checker: CollectiveChecker | None = None
 
@@ -390,7 +390,7 @@ class ClusterMembership:
         if getattr(self.checker, "peer_failed", False):  # (a stand-in checker may lack it)
             self.failure = mismatch
         else:
-            self._agreed = id(mismatch)
+            self._agreed_mismatch = id(mismatch)
 
     def abandon(self, err: BaseException, where: str = "strategy.run") -> None:
         """``err`` escaped ``where`` on this worker, whose replicas may have left the
@@ -403,7 +403,7 @@ class ClusterMembership:
         or next collective raises ``CollectiveMismatchError`` naming this worker and
         ``err``. Nothing happens for one worker, a cluster that failed already, or a
         mismatch every worker raised alike (the workers are still in step)."""
-        if self.world_size < 2 or self.failure is not None or id(err) == self._agreed:
+        if self.world_size < 2 or self.failure is not None or id(err) == self._agreed_mismatch:
             return
         said = " ".join(str(err).split())
         if len(said) > _REASON_CHARS:
