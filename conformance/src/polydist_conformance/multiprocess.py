@@ -14,8 +14,9 @@ worker, whose cluster comes from the environment (``TF_CONFIG``, set by
 * ``late`` (worker 1 only): sleeps instead of joining.
 * ``mismatch --case C``: the workers disagree on a collective (`mismatch`); writes
   ``OUT/done<i>`` if it returns.
-* ``caught --case before|after --fail-at K``: `caught`, a loop that catches every error
-  of ``strategy.run`` and goes on, while the last replica raises in step K; writes
+* ``caught --case before|after|traced --fail-at K [--slow S]``: `caught`, a loop that
+  catches every error of ``strategy.run`` and goes on, while the last replica (``traced``:
+  worker 1, while its compiled step is traced) raises in step K; writes
   ``OUT/caught<i>.json``.
 
 A worker that fails writes ``OUT/error<i>.json`` (the error's class and message) and
@@ -340,7 +341,7 @@ def mismatch(strategy: pd.Strategy, case: str, rank: int, out: Path | None = Non
         raise ValueError(f"unknown mismatch case {case!r}; expected one of {MISMATCH_CASES}")
 
 
-CAUGHT_CASES = ("before", "after")
+CAUGHT_CASES = ("before", "after", "traced")
 
 
 def caught_expected(step: int) -> float:
@@ -349,18 +350,35 @@ def caught_expected(step: int) -> float:
     return float(replicas * (10 * step + 1) + replicas * (10 * step + 2))
 
 
-def caught(strategy: pd.Strategy, case: str, fail_at: int, steps: int) -> list[dict[str, Any]]:
+def caught(
+    strategy: pd.Strategy,
+    case: str,
+    fail_at: int,
+    steps: int,
+    rank: int = 0,
+    late: float = 0.0,
+) -> list[dict[str, Any]]:
     """``steps`` steps of two all_reduces each, in a loop that catches the errors of
     ``strategy.run`` and goes on; in step ``fail_at`` the last replica (on the last
     worker) raises ``ValueError``, ``before`` its first all_reduce or ``after`` it (its
     worker's other replica then waits in the local part of a collective that never
-    runs across the workers). Returns each step's outcome: ``{"values": [...]}`` (this
+    runs across the workers). Case ``traced``, for a compiled step (whose function runs
+    only while it is traced, where the replica id is not a Python int): worker 1
+    (``rank``) raises before its first all_reduce, in each of its replicas (the step's
+    ``step`` is a static value: every step is traced). Worker 0 starts step ``fail_at``
+    ``late`` seconds late. Returns each step's outcome: ``{"values": [...]}`` (this
     worker's replicas') or ``{"type": ..., "message": ...}``."""
     last = 2 * D - 1
 
     def step_fn(step: int) -> Any:
         ctx = _ctx()
-        failing = step == fail_at and int(ctx.replica_id_in_sync_group) == last
+        if case == "traced":
+            if step == fail_at and rank == 1:
+                time.sleep(1.0)  # the peers wait in the step's collective
+                raise ValueError(f"worker 1 fails while its step {step} is traced")
+            failing = False
+        else:
+            failing = step == fail_at and int(ctx.replica_id_in_sync_group) == last
         if failing and case == "before":
             time.sleep(1.0)  # the peers wait in the step's collective (the fast path)
             raise ValueError(f"replica {last} fails before its all_reduce")
@@ -372,6 +390,8 @@ def caught(strategy: pd.Strategy, case: str, fail_at: int, steps: int) -> list[d
 
     outcomes: list[dict[str, Any]] = []
     for step in range(steps):
+        if step == fail_at and rank == 0:
+            time.sleep(late)
         try:
             result = strategy.run(step_fn, args=(step,))
             values = [float(v) for v in local_components(strategy, result)]
@@ -488,7 +508,7 @@ def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
             mismatch(strategy, args.case, rank, out)
             (out / f"done{rank}").write_text(f"{time.time()}")
         elif args.mode == "caught":
-            outcomes = caught(strategy, args.case, args.fail_at, args.steps)
+            outcomes = caught(strategy, args.case, args.fail_at, args.steps, rank, args.slow)
             (out / f"caught{rank}.json").write_text(json.dumps(outcomes))
             wait_for_peers_outcome(out, rank, "caught")
         else:

@@ -371,6 +371,86 @@ def test_a_worker_that_ended_is_named_by_the_one_still_calling(tmp_path: Path) -
     assert "): left the cluster after 1 collective(s) (its program ended" in message, message
 
 
+@pytest.mark.parametrize(
+    ("jit", "case", "fail_at", "late"),
+    [(False, "before", 0, 0.0), (False, "after", 3, 0.0), (True, "traced", 1, 4.0)],
+    ids=["eager-before", "eager-after", "compiled-traced"],
+)
+def test_an_error_caught_in_a_step_fails_the_cluster_on_both(
+    tmp_path: Path, jit: bool, case: str, fail_at: int, late: float
+) -> None:
+    """An error escapes strategy.run on worker 1 only and the program catches it and goes
+    on. Eagerly, replica 3 raises while its worker's other replica waits in a collective
+    that never runs across the workers; compiled, worker 1 raises while its step is
+    traced, so it never joins the step worker 0 runs. Both workers raise from then on
+    (worker 1 CancelledError; worker 0, which starts the compiled step late enough to
+    see worker 1's heartbeat, CollectiveMismatchError naming worker 1's error, before it
+    issues the step), no step returns a wrong value, and neither waits in JAX's
+    shutdown at exit (exit code 1)."""
+    steps = fail_at + 3
+    args = ("caught", "--case", case, "--fail-at", str(fail_at), "--steps", str(steps))
+    args += ("--slow", str(late), "--timeout", "20")
+    codes = ENGINE.run(tmp_path, *args, timeout=90, env=None if jit else EAGER)
+    said = [mpt.stderr(tmp_path, w)[-2000:] for w in range(mpt.WORKERS)]
+    # Worker 1's exit may meet JAX's abort once worker 0 (the coordinator) is gone.
+    assert codes[0] == 1 and codes[1] in (1, -signal.SIGABRT), (codes, said)
+    assert "(skipping JAX's shutdown)" in said[0], said[0]
+    outcomes = [json.loads((tmp_path / f"caught{w}.json").read_text()) for w in range(mpt.WORKERS)]
+    for w, steps_of in enumerate(outcomes):
+        assert len(steps_of) == steps
+        for step, outcome in enumerate(steps_of):
+            if step < fail_at:
+                assert outcome == {"values": [multiprocess.caught_expected(step)] * mpt.D}
+            else:  # never a value: every step from the failed one on raises
+                assert "values" not in outcome, (w, step, outcome)
+    failed, survivor = outcomes[1], outcomes[0]
+    raised = (
+        f"worker 1 fails while its step {fail_at} is traced"
+        if case == "traced"
+        else f"replica 3 fails {case} its all_reduce"
+    )
+    assert failed[fail_at] == {"type": "ValueError", "message": raised}
+    for later in failed[fail_at + 1 :]:
+        assert later["type"] == "CancelledError", later
+        assert "cannot run: the cluster failed earlier" in later["message"]
+        assert f"strategy.run raised ValueError: {raised}" in later["message"]
+    first = survivor[fail_at]
+    assert first["type"] == "CollectiveMismatchError", first
+    message = first["message"]
+    assert "worker(s) 1 raised an error that left the cluster's collectives out of step" in (
+        message
+    )
+    assert "  worker 1 (/job:worker/replica:0/task:1 at 127.0.0.1:" in message
+    assert f"strategy.run raised ValueError: {raised}" in message
+    assert "restart them all" in message
+    for later in survivor[fail_at + 1 :]:
+        assert later["type"] == "CollectiveMismatchError", later
+        assert "cannot run: the cluster failed earlier" in later["message"]
+
+
+def test_an_error_traced_on_one_worker_ends_the_peer_in_its_step(tmp_path: Path) -> None:
+    """Worker 1 raises while its compiled step is traced (and catches it) while worker 0
+    already waits in that step's agreement, which XLA cannot leave: worker 0 either ends
+    (the watchdog's probe finds worker 1's published failure: exit code 75) or, when
+    worker 1's exit broke the step first, raises UnavailableError naming worker 1's
+    error; never a value from the failed step on."""
+    args = ("caught", "--case", "traced", "--fail-at", "1", "--steps", "4", "--timeout", "20")
+    codes = ENGINE.run(tmp_path, *args, timeout=90)
+    said = mpt.stderr(tmp_path, 0)
+    assert codes[0] in (1, WATCHDOG_EXIT_CODE) and codes[1] in (1, -signal.SIGABRT), codes
+    raised = "strategy.run raised ValueError: worker 1 fails while its step 1 is traced"
+    if codes[0] == WATCHDOG_EXIT_CODE:
+        assert "polydist: CollectiveMismatchError: Collective #2 cannot run: worker 0 " in said
+        assert raised in said and "exits with code 75" in said, said[-3000:]
+    else:
+        survivor = json.loads((tmp_path / "caught0.json").read_text())
+        assert survivor[0] == {"values": [multiprocess.caught_expected(0)] * mpt.D}
+        assert all("values" not in outcome for outcome in survivor[1:]), survivor
+        message = survivor[1]["message"]
+        assert survivor[1]["type"] == "UnavailableError", survivor[1]
+        assert raised in message and "left the cluster's collectives out of step" in message
+
+
 def test_workers_that_disagree_eagerly_raise_collective_mismatch(tmp_path: Path) -> None:
     """TestMultiWorker's cases run compiled steps: one whose programs differ runs eagerly,
     where each collective is checked, so the message names the collectives inside the

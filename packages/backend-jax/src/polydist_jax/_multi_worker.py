@@ -400,9 +400,13 @@ def _exit_without_jax_shutdown() -> None:
     for cluster in list(_CLUSTERS):
         cluster.close(wait=5.0)  # leaves the collective check unless the cluster failed
     # After a failed collective JAX's shutdown barrier waits for the dead peer and then
-    # aborts; leave without it (exit code 1, as for the uncaught error).
-    if _FAILED:
-        _exit_with(f"exiting after {type(_FAILED[0]).__name__} (skipping JAX's shutdown).", 1)
+    # aborts; leave without it (exit code 1, as for the uncaught error). So too after any
+    # other failure of the cluster: an error that escaped strategy.run (`abandon`), or a
+    # peer's such error (`CollectiveMismatchError`): a peer may have ended (the watchdog's
+    # exit) or leave without the barrier itself, which this one would wait for.
+    failures = [*_FAILED, *(c.failure for c in list(_CLUSTERS) if c.failure is not None)]
+    if failures:
+        _exit_with(f"exiting after {type(failures[0]).__name__} (skipping JAX's shutdown).", 1)
 
 
 # Registered by the first cluster, whether `initialize` or the program itself started
@@ -653,6 +657,8 @@ class _Cluster(mp.ClusterMembership):
         step behind it), bounded and checked (see `agree`); ``run`` returns what is waited
         for, the gathered rows, and its host work after its dispatches overlaps them."""
         digest = self._digest_array(signature, mesh)[0]
+        if self.heartbeat is not None and self.failure is None and self.heartbeat.failed():
+            self._raise_abandoned()
         pending = self.announce(_RUN)
         self._announced = pending
         try:
@@ -661,6 +667,23 @@ class _Cluster(mp.ClusterMembership):
             self._announced = None
         self.settle(pending)
         return out
+
+    def _raise_abandoned(self) -> None:
+        """Before a compiled step, when a peer's heartbeat says an error left the cluster
+        out of step (`ClusterMembership.abandon`): the peer never joins this step's
+        agreement, which XLA could not leave (the watchdog would end the process), so the
+        step is checked through the store instead, where the peer published its failure:
+        raises that ``CollectiveMismatchError`` (the cluster has failed)."""
+        self.check_signature(_RUN)  # raises the peer's failure (it published it first)
+        # The collective check is off (nothing published): the heartbeat's word alone.
+        failed = self.heartbeat.failed() if self.heartbeat is not None else []
+        self.failure = errors.CollectiveMismatchError(
+            f"{self.collective(_RUN)} cannot run: worker(s) {self.describe(failed)} raised an "
+            "error that left the cluster's collectives out of step, and call no more "
+            "collectives. The cluster cannot be used any more: stop every worker and restart "
+            "them all, from the latest checkpoint."
+        )
+        raise self.failure
 
     def _disagreement(self, rows: Any, signature: bytes | None, mesh: _Mesh) -> str | None:
         """Why the workers' gathered digests ``rows`` do not agree; None if they do
@@ -729,12 +752,24 @@ class _Cluster(mp.ClusterMembership):
                 return None
             self._ending.set()
             site = _trace.user_source_line(frame=_outside_jax(sys._current_frames().get(caller)))
+            # (A peer that abandoned the cluster reads no site: nobody to wait for.)
+            readers = [] if checker.peer_failed else sorted(found)
             with contextlib.suppress(Exception):  # the peers' messages then lack the line
-                checker.report_site(pending, site, sorted(found))
+                checker.report_site(pending, site, readers)
             if self.rank == 0:
                 # The peers have read the mismatch and now raise it; JAX aborts them once
                 # the coordination service (this process) is gone: let them report first.
                 time.sleep(_COORDINATOR_GRACE_SECONDS)
+            if checker.peer_failed:  # (`ClusterMembership.abandon`)
+                return (
+                    f"CollectiveMismatchError: Collective #{pending.n} cannot run: worker "
+                    f"{self.describe([self.rank])} is at a compiled {_RUN} at {site}, "
+                    f"{self._at_others(found)}: an error on that worker left the cluster's "
+                    "collectives out of step. XLA cannot interrupt the step's collective, so "
+                    f"this process exits with code {WATCHDOG_EXIT_CODE}. The cluster cannot "
+                    "be used any more: stop every worker and restart them all, from the "
+                    "latest checkpoint."
+                )
             return (
                 f"CollectiveMismatchError: Workers disagree on their collective #{pending.n}: "
                 f"worker {self.describe([self.rank])} is at a compiled {_RUN} at {site}, "
@@ -796,6 +831,14 @@ class _Cluster(mp.ClusterMembership):
             f" JAX said: {said}. The cluster cannot be used any more: stop every worker and "
             "restart them all, from the latest checkpoint."
         )
+        elsewhere = self._elsewhere(self._announced) if self._announced is not None else ""
+        if elsewhere and self.checker is not None and self.checker.peer_failed:
+            # A peer's error left it out of this compiled step (`ClusterMembership.abandon`),
+            # and its exit broke the step's collective: the cause, not the exit.
+            return errors.UnavailableError(
+                f"{head} failed: {elsewhere}: an error on that worker left the cluster's "
+                f"collectives out of step.{tail}"
+            )
         if dead:
             return errors.UnavailableError(f"{head} failed: {self.unavailable(dead)}.{tail}")
         cls = (
@@ -970,6 +1013,12 @@ class JaxProcessBackend(JaxBackend):
         return jax.device_put(value, target)
 
     # -- the cluster -------------------------------------------------------------------------
+    def cluster_membership(self) -> _Cluster | None:
+        """This process's membership in its cluster of several workers, if it joined one
+        (`polydist.backend.multiprocess.ClusterMembership`): core fails it when an error
+        escapes ``strategy.run`` (``abandon``)."""
+        return self._cluster if self.connected else None
+
     def connect_cluster(
         self, worker_devices: Sequence[Sequence[str]], worker_index: int
     ) -> tuple[int, ...]:
