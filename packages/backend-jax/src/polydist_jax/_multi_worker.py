@@ -133,6 +133,8 @@ _PROBE_MAX_SECONDS = 4.0
 _ENDING_WAIT_SECONDS = 15.0
 # How long worker 0, ending after a probe found a mismatch, leaves its peers to raise it.
 _COORDINATOR_GRACE_SECONDS = 2.0
+# How long each read of a peer's signature may take when a collective failed (`translate`).
+_PEEK_SECONDS = 0.25
 # JAX's own liveness bounds are set this far beyond polydist's, so that ours fire first.
 _JAX_MARGIN_SECONDS = 10
 
@@ -781,13 +783,13 @@ class _Cluster(mp.ClusterMembership):
 
         return probe
 
-    def _elsewhere(self, pending: Pending | None) -> str:
+    def _elsewhere(self, pending: Pending | None, seconds: float = 0.001) -> str:
         """Which peers are at another collective than ``pending`` (`CollectiveChecker.peek`):
         '' if none, or the store cannot tell."""
         if self.checker is None:
             return ""
         try:
-            found = self.checker.peek(pending)
+            found = self.checker.peek(pending, seconds)
         except Exception:  # the store is gone: the diagnosis names the dead instead
             return ""
         return self._at_others(found)
@@ -831,7 +833,9 @@ class _Cluster(mp.ClusterMembership):
             f" JAX said: {said}. The cluster cannot be used any more: stop every worker and "
             "restart them all, from the latest checkpoint."
         )
-        elsewhere = self._elsewhere(self._announced) if self._announced is not None else ""
+        pending = self._announced
+        # (The failed peer's signature is there: it wrote it before its exit broke this.)
+        elsewhere = self._elsewhere(pending, _PEEK_SECONDS) if pending is not None else ""
         if elsewhere and self.checker is not None and self.checker.peer_failed:
             # A peer's error left it out of this compiled step (`ClusterMembership.abandon`),
             # and its exit broke the step's collective: the cause, not the exit.

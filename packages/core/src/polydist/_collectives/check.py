@@ -485,15 +485,17 @@ class CollectiveChecker:
         if pending is not None:
             self._passed = max(self._passed, pending.n)
 
-    def peek(self, pending: Pending | None) -> dict[int, str]:
+    def peek(self, pending: Pending | None, seconds: float = 0.001) -> dict[int, str]:
         """The other workers' signatures of ``pending``'s collective that differ from this
         worker's, read without waiting (for a diagnosis, while the engine's own exchange
-        of ``pending`` does not complete): worker -> what it is at."""
+        of ``pending`` does not complete): worker -> what it is at. ``seconds``: how long
+        each read may take (after a failure, a loaded store may need more than a probe's
+        millisecond)."""
         if pending is None:
             return {}
         found = {}
         for r in self._others:
-            got = self._store.get_all([f"cc/{pending.n}/{r}"], 0.001)
+            got = self._store.get_all([f"cc/{pending.n}/{r}"], seconds)
             text = got[0] if got is not None else pending.signature
             call = _fields(text)[0]
             if call != pending.signature:  # its call site is not known yet
