@@ -14,10 +14,10 @@ worker, whose cluster comes from the environment (``TF_CONFIG``, set by
 * ``late`` (worker 1 only): sleeps instead of joining.
 * ``mismatch --case C``: the workers disagree on a collective (`mismatch`); writes
   ``OUT/done<i>`` if it returns.
-* ``caught --case before|after|traced --fail-at K [--slow S]``: `caught`, a loop that
-  catches every error of ``strategy.run`` and goes on, while the last replica (``traced``:
-  worker 1, while its compiled step is traced) raises in step K; writes
-  ``OUT/caught<i>.json``.
+* ``caught --case before|after|traced --fail-at K [--slow S] [--linger L]``: `caught`, a
+  loop that catches every error of ``strategy.run`` and goes on, while the last replica
+  (``traced``: worker 1, while its compiled step is traced) raises in step K; writes
+  ``OUT/caught<i>.json``; worker 1 then waits L seconds before it ends.
 
 A worker that fails writes ``OUT/error<i>.json`` (the error's class and message) and
 exits with code 17.
@@ -492,6 +492,7 @@ def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--case", choices=MISMATCH_CASES + CAUGHT_CASES)
     parser.add_argument("--fail-at", type=int, default=0)
+    parser.add_argument("--linger", type=float, default=0.0)
     args = parser.parse_args()
     out = Path(args.out)
     rank = int(os.environ.get("RANK", "0"))
@@ -511,6 +512,8 @@ def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
             outcomes = caught(strategy, args.case, args.fail_at, args.steps, rank, args.slow)
             (out / f"caught{rank}.json").write_text(json.dumps(outcomes))
             wait_for_peers_outcome(out, rank, "caught")
+            if rank == 1:
+                time.sleep(args.linger)  # its process stays (a peer may be in a collective)
         else:
             strategy.run(lambda: _ctx().all_reduce(pd.ReduceOp.SUM, np.float32(1)))
     except Exception as e:

@@ -428,16 +428,23 @@ def test_an_error_caught_in_a_step_fails_the_cluster_on_both(
         assert "cannot run: the cluster failed earlier" in later["message"]
 
 
-def test_an_error_traced_on_one_worker_ends_the_peer_in_its_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("linger", [0.0, 10.0], ids=["exits", "stays"])
+def test_an_error_traced_on_one_worker_ends_the_peer_in_its_step(
+    tmp_path: Path, linger: float
+) -> None:
     """Worker 1 raises while its compiled step is traced (and catches it) while worker 0
-    already waits in that step's agreement, which XLA cannot leave: worker 0 either ends
-    (the watchdog's probe finds worker 1's published failure: exit code 75) or, when
-    worker 1's exit broke the step first, raises UnavailableError naming worker 1's
-    error; never a value from the failed step on."""
+    already waits in that step's agreement, which XLA cannot leave: worker 0 ends (the
+    watchdog's probe finds worker 1's published failure: exit code 75; certain when
+    worker 1's process stays) or, when worker 1's exit broke the step first, raises
+    UnavailableError naming worker 1's error; never a value from the failed step on."""
     args = ("caught", "--case", "traced", "--fail-at", "1", "--steps", "4", "--timeout", "20")
-    codes = ENGINE.run(tmp_path, *args, timeout=90)
+    codes = ENGINE.run(tmp_path, *args, "--linger", str(linger), timeout=90)
     said = mpt.stderr(tmp_path, 0)
     assert codes[0] in (1, WATCHDOG_EXIT_CODE) and codes[1] in (1, -signal.SIGABRT), codes
+    if linger:
+        assert codes[0] == WATCHDOG_EXIT_CODE, said[-3000:]
+        failed = json.loads((tmp_path / "caught1.json").read_text())
+        assert [o["type"] for o in failed[1:]] == ["ValueError", "CancelledError", "CancelledError"]
     raised = "strategy.run raised ValueError: worker 1 fails while its step 1 is traced"
     if codes[0] == WATCHDOG_EXIT_CODE:
         assert "polydist: CollectiveMismatchError: Collective #2 cannot run: worker 0 " in said
