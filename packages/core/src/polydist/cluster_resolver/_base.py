@@ -42,6 +42,19 @@ def format_master_url(master: str, rpc_layer: str | None = None) -> str:
     return master
 
 
+def task_master(
+    resolver: ClusterResolver, task_type: str | None, task_id: int | None, rpc_layer: str | None
+) -> str:
+    """``"<rpc_layer>://address"`` of (``task_type``, ``task_id``) in ``resolver``'s
+    cluster spec, each defaulting to the resolver's own; ``""`` when no task is known."""
+    task_type = resolver.task_type if task_type is None else task_type
+    task_id = resolver.task_id if task_id is None else task_id
+    if task_type is None or task_id is None:
+        return ""
+    address = resolver.cluster_spec().task_address(task_type, task_id)
+    return format_master_url(address, rpc_layer or resolver.rpc_layer)
+
+
 class DeviceAttributes(NamedTuple):
     """A device visible to the runtime, e.g. ``("/job:worker/task:0/device:TPU:0", "TPU")``."""
 

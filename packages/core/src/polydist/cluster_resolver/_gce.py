@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from polydist.cluster_resolver._base import ClusterResolver, format_master_url
+from polydist.cluster_resolver._base import ClusterResolver, task_master
 from polydist.cluster_resolver._cluster_spec import ClusterSpec
 
 __all__ = ["GCEClusterResolver"]
@@ -141,12 +141,7 @@ class GCEClusterResolver(ClusterResolver):
         rpc_layer: str | None = None,
     ) -> str:
         """``"<rpc_layer>://address"`` of (``task_type``, ``task_id``), default the resolver's."""
-        task_type = task_type if task_type is not None else self._task_type
-        task_id = task_id if task_id is not None else self._task_id
-        if task_type is not None and task_id is not None:
-            address = self.cluster_spec().task_address(task_type, task_id)
-            return format_master_url(address, rpc_layer or self._rpc_layer)
-        return ""
+        return task_master(self, task_type, task_id, rpc_layer)
 
     @property
     def task_type(self) -> str | None:

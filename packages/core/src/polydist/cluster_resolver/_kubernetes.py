@@ -31,7 +31,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from polydist.cluster_resolver._base import ClusterResolver, format_master_url
+from polydist.cluster_resolver._base import ClusterResolver, task_master
 from polydist.cluster_resolver._cluster_spec import ClusterSpec
 
 __all__ = ["ExecutableLocation", "KubernetesClusterResolver", "KubernetesExecutableLocation"]
@@ -132,14 +132,7 @@ class KubernetesClusterResolver(ClusterResolver):
 
         Returns ``""`` when no task is given and none is set on the resolver.
         """
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        if task_type is not None and task_id is not None:
-            return format_master_url(
-                self.cluster_spec().task_address(task_type, task_id),
-                rpc_layer or self.rpc_layer,
-            )
-        return ""
+        return task_master(self, task_type, task_id, rpc_layer)
 
     def _client(self) -> Any:
         if self._override_client is not None:

@@ -50,7 +50,7 @@ import subprocess
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from polydist.cluster_resolver._base import ClusterResolver, format_master_url
+from polydist.cluster_resolver._base import ClusterResolver, task_master
 from polydist.cluster_resolver._cluster_spec import ClusterSpec
 
 __all__ = [
@@ -360,14 +360,7 @@ class SlurmClusterResolver(ClusterResolver):
         ``task_type`` and ``task_id`` default to this task's, which are only
         known after `cluster_spec` has run.
         """
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        if task_type is not None and task_id is not None:
-            return format_master_url(
-                self.cluster_spec().task_address(task_type, task_id),
-                rpc_layer or self.rpc_layer,
-            )
-        return ""
+        return task_master(self, task_type, task_id, rpc_layer)
 
     @property
     def environment(self) -> str:
