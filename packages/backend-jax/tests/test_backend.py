@@ -61,6 +61,17 @@ class TestDevices:
         with pytest.raises(ValueError, match=r"needs 9 devices .* 8 CPU .*xla_force_host"):
             pd.MirroredStrategy(9, backend=JaxBackend())
 
+    def test_too_few_accelerators_says_both_ways_out(self) -> None:
+        from polydist_jax._devices import out_of_range_message
+
+        assert out_of_range_message(4, "GPU", 1) == (
+            "MirroredStrategy(4) needs 4 devices but JAX's default platform has 1 GPU "
+            "device(s). Ask for at most 1 replica(s), or run on CPU devices with "
+            "JAX_PLATFORMS=cpu. On CPU, fake devices come from "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N (or "
+            "jax.config.update('jax_num_cpu_devices', N)), set before JAX first runs."
+        )
+
     def test_tf_spellings(self) -> None:
         strategy = pd.MirroredStrategy(["/cpu:5", "CPU:2"], backend=JaxBackend())
         assert strategy.extended.worker_devices == (CPU.format(5), CPU.format(2))

@@ -116,7 +116,12 @@ def default_kind() -> str:
 
 
 def out_of_range_message(count: int, kind: str, available: int) -> str:
-    hint = f" {_FORCE_FLAG_HINT}" if kind == "CPU" else ""
+    hint = f" {_FORCE_FLAG_HINT}"
+    if kind != "CPU":  # fewer accelerators than asked: both ways out
+        hint = (
+            f" Ask for at most {available} replica(s), or run on CPU devices with "
+            f"JAX_PLATFORMS=cpu.{hint}"
+        )
     return (
         f"MirroredStrategy({count}) needs {count} devices but JAX's default platform has "
         f"{available} {kind} device(s).{hint}"
