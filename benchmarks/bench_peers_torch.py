@@ -21,6 +21,13 @@ framework's own cost here, so no contestant keeps one layout's luck:
 * ``accelerate``: ``accelerate.Accelerator(cpu=True)``,
   ``accelerator.prepare(model, optimizer)``, ``accelerator.backward(loss)``.
 
+With ``--device cuda`` every contestant trains on the first GPU (polydist on
+``/gpu:0``; Fabric with ``accelerator="cuda"``; Accelerate on its default device),
+each step waits for the GPU before its time is taken, and one more contestant runs:
+``polydist_no_default``, polydist with ``TorchBackend(replica_default_device=False)``
+(no default-device function mode in the replica: see docs/backends/torch.md).
+Results go to ``torch-peers-cuda.json``.
+
 The same contestants then train a 32 -> 32 -> 32 -> 1 MLP on batches of 32
 (``--small-rounds``): a step of a few hundred microseconds, where what each
 framework adds per step (its fixed host cost) is most of the difference, which
@@ -85,6 +92,7 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 Step = Callable[[], torch.Tensor]
+DEVICE = torch.device("cpu")  # --device
 
 
 def hand_contestant(base: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Step, nn.Module]:
@@ -102,9 +110,13 @@ def hand_contestant(base: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[
 
 
 def polydist_contestant(
-    base: nn.Module, x: torch.Tensor, y: torch.Tensor
+    base: nn.Module, x: torch.Tensor, y: torch.Tensor, default_device: bool = True
 ) -> tuple[Step, nn.Module]:
-    strategy = pd.MirroredStrategy(["/cpu:0"], backend="torch")
+    backend: Any = "torch"
+    if not default_device:
+        backend = polydist_torch.TorchBackend(replica_default_device=False)
+    where = "/gpu:0" if DEVICE.type == "cuda" else "/cpu:0"
+    strategy = pd.MirroredStrategy([where], backend=backend)
     with strategy.scope():
         model = polydist_torch.distribute_module(copy.deepcopy(base))
         opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=LR))
@@ -133,7 +145,7 @@ def fabric_contestant(
             from lightning_fabric import Fabric  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             return None
-    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric = Fabric(accelerator=DEVICE.type, devices=1)
     model = copy.deepcopy(base)
     wrapped, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
 
@@ -154,7 +166,7 @@ def accelerate_contestant(
         from accelerate import Accelerator  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=DEVICE.type == "cpu")
     model = copy.deepcopy(base)
     wrapped, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
 
@@ -173,11 +185,14 @@ def interleaved(fns: dict[str, Step], rounds: int) -> dict[str, list[float]]:
     goes first), so that load from other processes hits all alike."""
     names = list(fns)
     samples: dict[str, list[float]] = {name: [] for name in names}
+    cuda = DEVICE.type == "cuda"
     for i in range(rounds):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             start = time.perf_counter()
             fns[name]()
+            if cuda:  # the step's time is the GPU's too
+                torch.cuda.synchronize()
             samples[name].append(time.perf_counter() - start)
     return samples
 
@@ -200,13 +215,14 @@ def workload(
 ) -> dict[str, Any]:
     """Every contestant trains the MLP of this width and batch: ``rounds`` interleaved
     rounds in ``args.trials`` trials; the result rows and what the JSON keeps."""
+    device = device_label()
     global FEATURES, HIDDEN, GLOBAL_BATCH
     FEATURES = HIDDEN = width
     GLOBAL_BATCH = batch
-    base = make_model()
+    base = make_model().to(DEVICE)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(GLOBAL_BATCH, FEATURES, generator=g)
-    y = torch.randn(GLOBAL_BATCH, 1, generator=g)
+    x = torch.randn(GLOBAL_BATCH, FEATURES, generator=g).to(DEVICE)
+    y = torch.randn(GLOBAL_BATCH, 1, generator=g).to(DEVICE)
 
     makers: dict[str, Callable[..., tuple[Step, nn.Module] | None]] = {
         "hand": hand_contestant,
@@ -214,6 +230,10 @@ def workload(
         "fabric": fabric_contestant,
         "accelerate": accelerate_contestant,
     }
+    if DEVICE.type == "cuda":
+        makers["polydist_no_default"] = lambda b, x, y: polydist_contestant(
+            b, x, y, default_device=False
+        )
     times: dict[str, list[float]] = {}
     # Per trial: each contestant's rounds, and the ratios of that trial alone.
     trials: list[dict[str, Any]] = []
@@ -274,11 +294,10 @@ def workload(
         )
     for name in times:
         extra = f"  x{to_hand[name]:.3f} of hand-written" if name in to_hand else ""
-        print(f"1 x CPU: MLP {width} step  {name:10s} {medians[name] * 1e3:7.3f} ms{extra}")
+        print(f"{device}: MLP {width} step  {name:10s} {medians[name] * 1e3:7.3f} ms{extra}")
     for name, ratio in to_peers.items():
         print(f"MLP {width}: {name}: x{ratio:.3f}")
 
-    device = "1 x CPU"
     label = "MLP 512 step" if width == 512 else f"MLP {width} step (batch {batch}: the fixed cost)"
     ratios: list[dict[str, Any]] = []
     for name, ratio in to_hand.items():
@@ -287,7 +306,7 @@ def workload(
             "device": device,
             "ratio": ratio,
         }
-        if name == "polydist" and width == 512:
+        if name == "polydist" and width == 512 and DEVICE.type == "cpu":
             row["target"] = f"<= {STEP_TARGET}"
             row["met"] = bool(ratio <= STEP_TARGET)
         ratios.append(row)
@@ -309,7 +328,14 @@ def workload(
     }
 
 
+def device_label() -> str:
+    if DEVICE.type == "cuda":
+        return f"1 x {torch.cuda.get_device_name(DEVICE)}"
+    return "1 x CPU"
+
+
 def main() -> int:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=800)
     parser.add_argument("--small-rounds", type=int, default=4000)
@@ -324,7 +350,17 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where every contestant trains (cuda: the first GPU)",
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_peers_torch.py: --device cuda, but torch sees no CUDA device")
+        return 1
+    DEVICE = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -334,12 +370,13 @@ def main() -> int:
     ratios = big["rows"] + small["rows"]
     payload = {
         "benchmark": "MLP training step (512 -> 512 -> 512 -> 1, batch 1024, SGD, float32, "
-        "1 CPU replica): polydist's torch backend (distribute_module + distribute_optimizer "
-        "in strategy.run) beside Lightning Fabric, Hugging Face Accelerate and hand-written "
-        "PyTorch, interleaved in one run; ratio: median over rounds of a's step / b's step, "
-        "the rounds of every trial (fresh contestants, made in a rotated order) pooled; "
+        f"1 {args.device.upper()} replica): polydist's torch backend (distribute_module + "
+        "distribute_optimizer in strategy.run) beside Lightning Fabric, Hugging Face "
+        "Accelerate and hand-written PyTorch, interleaved in one run; ratio: median over "
+        "rounds of a's step / b's step, the rounds of every trial (fresh contestants, "
+        "made in a rotated order) pooled; "
         "'small': the same on a 32-wide MLP, batch 32 (the fixed cost per step)",
-        "device": "cpu",
+        "device": args.device if args.device == "cpu" else device_label(),
         "torch": torch.__version__,
         "lightning": _version("lightning") or _version("lightning_fabric"),
         "accelerate": _version("accelerate"),
@@ -353,7 +390,7 @@ def main() -> int:
         "load_average_after": list(os.getloadavg()),
         "ratios": ratios,
     }
-    path = write_results("torch-peers-cpu", payload)
+    path = write_results(f"torch-peers-{args.device}", payload)
     print(f"wrote {path}")
     return 0
 

@@ -9,7 +9,8 @@
 # ones run gloo on CPU, as everywhere), the conformance suite
 # on the torch and JAX backends with one replica on the GPU, and JAX's own tests on 8 fake
 # CPU devices (the machine's jax version). Phase 2 runs the benchmarks one at a time on
-# the quiet machine: the JAX and torch ones on the GPU; with FULL=1 also the input pipeline
+# the quiet machine: the JAX and torch ones on the GPU (torch beside Lightning Fabric and
+# Accelerate too: torch-peers-cuda.json); with FULL=1 also the input pipeline
 # and the multi-worker one on its CPUs (multiworker-cpu16.json), which need no GPU and
 # outrun a lease's 15 minutes together with the rest. Everything lands in $OUT:
 # summary.txt and logs.tgz (every log and results file).
@@ -55,6 +56,9 @@ unset XLA_PYTHON_CLIENT_PREALLOCATE
 
 timeout -k 5 120 $PY benchmarks/bench_jax.py --rounds 300 >"$LOGS/bench-jax.log" 2>&1
 timeout -k 5 90 $PY benchmarks/bench_torch.py --replicas 1 --repeats 41 >"$LOGS/bench-torch.log" 2>&1
+# Beside Lightning Fabric and Accelerate (the machine's image has both) on the GPU.
+timeout -k 5 150 $PY benchmarks/bench_peers_torch.py --device cuda --rounds 400 --small-rounds 2000 \
+    >"$LOGS/bench-peers-torch.log" 2>&1
 if [ "$FULL" = 1 ]; then
     timeout -k 5 60 $PY benchmarks/bench_input.py --backend jax >"$LOGS/bench-input-jax.log" 2>&1
     for engine in torch jax; do

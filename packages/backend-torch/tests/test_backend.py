@@ -348,3 +348,61 @@ def test_device_scope_sees_torch_set_default_device() -> None:
     with torch.device("meta"):
         assert not _default_device_is(cpu)
     assert _default_device_is(cpu)
+
+
+def test_a_replicas_collectives_run_outside_its_default_device_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under the replica's default-device mode every torch call of a collective's
+    # bookkeeping passes through Python: all_reduce and all_gather leave the mode while
+    # they run (TorchBackend.library_scope) and put it back, an error included. "meta"
+    # as torch's default makes the CPU replica push its mode, as a GPU replica does.
+    from torch.overrides import TorchFunctionMode
+
+    backend = TorchBackend()
+    strategy = pd.MirroredStrategy(["/cpu:0"], backend=backend)
+    seen: list[int] = []
+    all_reduce, all_gather = backend.all_reduce, backend.all_gather
+
+    def counted_all_reduce(values: Any, destinations: Any) -> Any:
+        seen.append(torch._C._len_torch_function_stack())
+        return all_reduce(values, destinations)
+
+    def counted_all_gather(values: Any, axis: int, destinations: Any) -> Any:
+        seen.append(torch._C._len_torch_function_stack())
+        return all_gather(values, axis, destinations)
+
+    monkeypatch.setattr(backend, "all_reduce", counted_all_reduce)
+    monkeypatch.setattr(backend, "all_gather", counted_all_gather)
+
+    class Other(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    def fn() -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        depths = [torch._C._len_torch_function_stack()]
+        total = ctx.all_reduce("SUM", [torch.ones(2), torch.full((3,), 2.0)])
+        gathered = ctx.all_gather(torch.arange(2.0), axis=0)
+        with pytest.raises(TypeError):
+            ctx.all_reduce("SUM", object())
+        depths.append(torch._C._len_torch_function_stack())
+        with Other():  # a mode of the user's above it: the stack is left as it is
+            ctx.all_reduce("SUM", torch.ones(1))
+        return depths, total, gathered, torch.zeros(1).device
+
+    torch.set_default_device("meta")
+    try:
+        depths, total, gathered, made = strategy.run(fn)
+    finally:
+        torch.set_default_device(None)
+    assert depths == [1, 1]
+    assert seen == [0, 0, 0, 2]
+    assert made == torch.device("cpu")
+    assert [t.tolist() for t in total] == [[1.0, 1.0], [2.0, 2.0, 2.0]]
+    assert gathered.tolist() == [0.0, 1.0]
+    assert "SupportsLibraryScope" in pd.backend.__all__
+    assert pd.backend.features(backend).library_scope

@@ -176,6 +176,11 @@ class TorchBackend:
     def device_scope(self, device: str) -> contextlib.AbstractContextManager[Any]:
         return _DeviceScope(torch_device(device), self.replica_default_device)
 
+    def library_scope(self) -> contextlib.AbstractContextManager[Any]:
+        # polydist.backend.SupportsLibraryScope: a replica's all_reduce/all_gather run
+        # outside its default-device mode (they name their devices).
+        return _OutsideDefaultDevice()
+
     def place(self, value: Any, device: str) -> Any:
         target = torch_device(device)
         if isinstance(value, torch.Tensor):
@@ -474,6 +479,33 @@ def _default_device_is(device: torch.device) -> bool:
     ):
         return device == _CPU
     return torch.get_default_device() == device
+
+
+class _OutsideDefaultDevice:
+    """polydist's own work in a replica (`TorchBackend.library_scope`), with the thread's
+    default-device mode (`_DeviceScope`'s, or the user's ``torch.set_default_device``)
+    off the torch function mode stack while it runs: under the mode every torch call
+    and tensor attribute read goes through Python (about 2 µs each), and a collective's
+    bookkeeping makes several per array. Only where that mode is the stack's one mode;
+    any other mode stays (and keeps the default-device mode under it).
+    """
+
+    __slots__ = ("_mode",)
+
+    def __init__(self) -> None:
+        self._mode: Any = None
+
+    def __enter__(self) -> None:
+        if torch._C._len_torch_function_stack() == 1:
+            mode = torch._C._get_function_stack_at(0)
+            if type(mode) is DeviceContext:
+                torch._C._pop_torch_function_stack()
+                self._mode = mode
+
+    def __exit__(self, *exc: object) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            torch._C._push_on_torch_function_stack(mode)
 
 
 class _DeviceScope:

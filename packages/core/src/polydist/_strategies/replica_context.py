@@ -14,7 +14,7 @@ from polydist._base.reduce_op import ReduceOp, as_reduce_op
 from polydist._strategies import context as _context
 from polydist._valuetypes import nest as _nest
 from polydist._valuetypes.indexed_slices import IndexedSlices
-from polydist.backend._contract import ReplicaChannel
+from polydist.backend._contract import ReplicaChannel, SupportsLibraryScope, features
 from polydist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -147,6 +147,14 @@ class ReplicaContext:
         check_call_options(options)
         if self._channel is None:  # one replica: the value is its own sum, read at the call
             return _read_copies(value)
+        backend = self._strategy.extended._backend
+        if features(backend).library_scope:
+            with cast(SupportsLibraryScope, backend).library_scope():
+                return self._all_reduce(reduce_op, value, options)
+        return self._all_reduce(reduce_op, value, options)
+
+    def _all_reduce(self, reduce_op: ReduceOp, value: Any, options: Any) -> Any:
+        assert self._channel is not None
         # One flatten; a variable contributes this replica's copy (its current array).
         if is_array(value):  # the common case (a variable included) skips flattening
             flat, spec = [_operand(value)], None
@@ -175,6 +183,13 @@ class ReplicaContext:
         """
         _context.require_replica_context(self)
         check_call_options(options)
+        backend = self._strategy.extended._backend
+        if self._channel is not None and features(backend).library_scope:
+            with cast(SupportsLibraryScope, backend).library_scope():
+                return self._all_gather(value, axis)
+        return self._all_gather(value, axis)
+
+    def _all_gather(self, value: Any, axis: int) -> Any:
         flat, spec = _nest.flatten(_variables_snapshot(value))
         for x in flat:
             if isinstance(x, IndexedSlices):

@@ -54,6 +54,7 @@ from polydist.backend._contract import SupportsCompiledRun as SupportsCompiledRu
 from polydist.backend._contract import SupportsCrossDeviceOps as SupportsCrossDeviceOps
 from polydist.backend._contract import SupportsDirectRun as SupportsDirectRun
 from polydist.backend._contract import SupportsHostArrayCopies as SupportsHostArrayCopies
+from polydist.backend._contract import SupportsLibraryScope as SupportsLibraryScope
 from polydist.backend._contract import SupportsLocalTPUSystem as SupportsLocalTPUSystem
 from polydist.backend._contract import SupportsPlacedDtype as SupportsPlacedDtype
 from polydist.backend._contract import SupportsPlacePerReplica as SupportsPlacePerReplica
@@ -100,6 +101,7 @@ __all__ = [
     "SupportsReductionOrder",
     "SupportsSimulatedDevices",
     "SupportsHostArrayCopies",
+    "SupportsLibraryScope",
     "SupportsPlaceVariable",
     "SupportsStoreVariable",
     "SupportsUpdateInPlace",

@@ -348,6 +348,17 @@ class SupportsPlacedDtype(Protocol):
 
 
 @runtime_checkable
+class SupportsLibraryScope(Protocol):
+    """A backend whose replica device scope makes every array operation cost more
+    (torch's default-device function mode passes each torch call, attribute reads
+    included, through Python): ``library_scope()`` returns a context manager that core
+    enters around its own work in a replica's ``all_reduce`` and ``all_gather``, which
+    names its devices itself and so needs no such scope. Without it core enters none."""
+
+    def library_scope(self) -> AbstractContextManager[Any]: ...
+
+
+@runtime_checkable
 class SupportsStoreVariable(Protocol):
     """Decides what a variable component stores when its value becomes ``new`` (torch
     writes into the stored tensor, so a parameter keeps seeing the variable's storage).
@@ -428,6 +439,7 @@ class Features:
     batch_all_reduce: bool = False
     place_per_replica: bool = False
     placed_dtype: bool = False
+    library_scope: bool = False
     store_variable: bool = False
     reduction_order: bool = False
     cross_device_ops: bool = False
@@ -451,6 +463,7 @@ class Features:
             batch_all_reduce=isinstance(backend, SupportsBatchAllReduce),
             place_per_replica=isinstance(backend, SupportsPlacePerReplica),
             placed_dtype=isinstance(backend, SupportsPlacedDtype),
+            library_scope=isinstance(backend, SupportsLibraryScope),
             store_variable=isinstance(backend, SupportsStoreVariable),
             reduction_order=isinstance(backend, SupportsReductionOrder),
             cross_device_ops=isinstance(backend, SupportsCrossDeviceOps),
