@@ -181,3 +181,33 @@ def test_a_variables_initial_value_leaves_no_pinned_buffer_behind() -> None:
     assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
     assert v.values[0].value().device.type == "cuda"
     assert float(v.values[0].value()[-1]) == float((1 << 20) - 1)
+
+
+@needs_cuda
+def test_torch_optimizer_state_stays_where_torch_puts_it() -> None:
+    """Adamax makes its step counter without device= (the CPU, in torch's design): in a
+    GPU replica a distributed optimizer steps it outside the replica's default-device
+    mode, so the counter stays on the CPU and reading it does not wait for the GPU; the
+    rest of the state is on the parameters' GPU. A collective runs outside the mode too."""
+    import polydist_torch
+
+    strategy = pd.MirroredStrategy([GPU.format(0)], backend="torch")
+    with strategy.scope():
+        model = polydist_torch.distribute_module(torch.nn.Linear(4, 1))
+        opt = polydist_torch.distribute_optimizer(torch.optim.Adamax(model.parameters()))
+    x = torch.ones(2, 4, device="cuda")
+    depths: list[int] = []
+
+    def step() -> torch.Tensor:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        depths.append(torch._C._len_torch_function_stack())  # the mode, in the user's code
+        return ctx().all_reduce("SUM", torch.zeros(1))  # made under the mode: on the GPU
+
+    summed = strategy.run(step)
+    assert depths == [1]
+    assert summed.device.type == "cuda"
+    (inner,) = opt.replicas
+    devices = {k: str(v.device) for s in inner.state.values() for k, v in s.items()}
+    assert devices == {"step": "cpu", "exp_avg": "cuda:0", "exp_inf": "cuda:0"}

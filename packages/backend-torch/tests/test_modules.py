@@ -561,3 +561,55 @@ def test_every_torch_optimizer_keeps_replicas_identical(make_opt: Any) -> None:
         ref_opt.zero_grad()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+class _UsersSGD(torch.optim.SGD):
+    """A user's optimizer class: its own step runs in the replica's device scope."""
+
+    def step(self, closure: Any = None) -> Any:
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_torch_optimizers_step_outside_the_default_device_mode(
+    monkeypatch: pytest.MonkeyPatch, replicas: int
+) -> None:
+    """Under the replica's default-device mode torch.optim would put the step counters it
+    makes without device= (Adamax, NAdam, RAdam, ...) on a GPU replica's device, and read
+    them with .item() at every step. A distributed optimizer steps torch's own optimizer
+    classes outside the mode; a user's override keeps the replica's device scope."""
+    import polydist_torch._backend as backend_module
+
+    # CPU replicas push the mode, as GPU replicas do (their device is torch's default).
+    monkeypatch.setattr(backend_module, "_default_device_is", lambda device: False)
+    strategy = cpu_strategy(replicas)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+        opt = polydist_torch.distribute_optimizer(torch.optim.Adamax(model.parameters()))
+        users_model = polydist_torch.distribute_module(make_model())
+        users_opt = polydist_torch.distribute_optimizer(_UsersSGD(users_model.parameters(), 0.1))
+    depths: dict[str, list[int]] = {"torch": [], "users": []}
+    for name, wrapped in (("torch", opt), ("users", users_opt)):
+        for inner in wrapped.replicas:
+            inner.register_step_pre_hook(
+                lambda *_, name=name: depths[name].append(torch._C._len_torch_function_stack())
+            )
+
+    in_fn: list[int] = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        for m, o in ((model, opt), (users_model, users_opt)):
+            pd.nn.compute_average_loss_exact(per_example_loss(m, x, y)).backward()
+            o.step()
+            o.zero_grad()
+        in_fn.append(torch._C._len_torch_function_stack())
+
+    x, y = next(iter(make_loader(examples=8)))
+    strategy.run(step, args=(x, y))
+    assert in_fn == [1] * replicas
+    assert depths["torch"] == [0] * replicas
+    # Once per step, or twice where torch has wrapped SGD.step too (an SGD made before in
+    # this process): the override's super().step() runs the hooks again, in the scope.
+    assert set(depths["users"]) == {1} and len(depths["users"]) in (replicas, 2 * replicas)
+    for inner in opt.replicas:
+        assert {str(v.device) for s in inner.state.values() for v in s.values()} == {"cpu"}
