@@ -406,3 +406,65 @@ def test_a_replicas_collectives_run_outside_its_default_device_mode(
     assert gathered.tolist() == [0.0, 1.0]
     assert "SupportsLibraryScope" in pd.backend.__all__
     assert pd.backend.features(backend).library_scope
+
+
+def test_torch_optimizers_step_outside_a_replicas_default_device_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A plain torch.optim optimizer stepped in a replica (the TF idiom): torch's own step
+    # runs without the replica's default-device mode (so state torch makes without
+    # device=, Adamax's step counter, stays on the CPU on a GPU replica), a user's
+    # override keeps it, and the mode is back after the step, also after one that raised.
+    import polydist_torch._backend as backend_module
+
+    # CPU replicas push the mode, as GPU replicas do (their device is torch's default).
+    monkeypatch.setattr(backend_module, "_default_device_is", lambda device: False)
+
+    class UsersSGD(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    strategy = pd.MirroredStrategy(["/cpu:0", "/cpu:1"], backend=TorchBackend())
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    adamax, users = torch.optim.Adamax(params[:2]), UsersSGD(params[2:], lr=0.5)
+    depths: dict[str, list[int]] = {"adamax": [], "users": []}
+    for name, opt in (("adamax", adamax), ("users", users)):
+        opt.register_step_pre_hook(
+            lambda *_, name=name: depths[name].append(torch._C._len_torch_function_stack())
+        )
+    after: list[tuple[int, ...]] = []
+
+    def fn() -> None:
+        r = int(pd.get_replica_context().replica_id_in_sync_group)  # type: ignore[union-attr]
+        if r == 0:
+            for p in params:
+                p.grad = torch.ones(3)
+            adamax.step()
+            users.step()
+            after.append((torch._C._len_torch_function_stack(),))
+            params[0].grad = torch.ones(3).to_sparse()
+            with pytest.raises(RuntimeError, match="sparse"):
+                adamax.step()
+            raised = torch._C._len_torch_function_stack()  # the failed step kept it off
+            params[0].grad = torch.ones(3)
+            adamax.step()  # the next step's post hook puts it back
+            after.append((raised, torch._C._len_torch_function_stack()))
+
+    strategy.run(fn)
+    assert depths["adamax"] == [0, 0, 0]
+    assert set(depths["users"]) == {1}
+    assert after == [(1,), (0, 1)]
+    assert torch._C._len_torch_function_stack() == 0
+    assert {str(v.device) for s in adamax.state.values() for v in s.values()} == {"cpu"}
+    assert params[2].tolist() == [0.5, 0.5, 0.5]
+
+    def failing() -> None:  # a step that raised and was not caught: the scope ends clean
+        params[0].grad = torch.ones(3).to_sparse()
+        adamax.step()
+
+    with pytest.raises(RuntimeError, match="sparse"):
+        strategy.run(failing)
+    assert torch._C._len_torch_function_stack() == 0
+    params[0].grad = torch.ones(3)
+    strategy.run(lambda: adamax.step())
+    assert torch._C._len_torch_function_stack() == 0

@@ -508,6 +508,87 @@ class _OutsideDefaultDevice:
             torch._C._push_on_torch_function_stack(mode)
 
 
+_TORCH_MADE: dict[tuple[type, str], bool] = {}
+
+
+def torch_made(obj: object, method: str) -> bool:
+    """Whether ``type(obj).<method>`` is torch's own (``torch.optim.Adam.step``), not a
+    user's override."""
+    key = (type(obj), method)
+    made = _TORCH_MADE.get(key)
+    if made is None:
+        fn = getattr(type(obj), method, None)
+        made = _TORCH_MADE[key] = str(getattr(fn, "__module__", "")).startswith("torch.")
+    return made
+
+
+# Per thread: the default-device mode a replica's `_DeviceScope` pushed ("mode"), and the
+# torch.optim optimizer whose step runs with it taken off ("suspended").
+_SCOPE = threading.local()
+_OPTIMIZER_HOOKS: list[Any] = []
+
+
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's own optimizers step outside the replica's default-device mode (a global
+    step hook, registered when a replica first pushes that mode).
+
+    torch.optim makes some state without ``device=`` and means the CPU (the step
+    counters of Adadelta, Adamax, NAdam, RAdam, RMSprop and ASGD): under the mode
+    they would land on the replica's GPU, where Adamax, NAdam, RAdam and ASGD's
+    ``.item()`` of them at each step would wait for the GPU. Outside it they are
+    where torch puts them, and the step's torch calls skip the mode. A user's
+    override of ``step`` keeps the mode."""
+    mode = _SCOPE.__dict__.get("mode")
+    if (
+        mode is not None
+        and torch._C._len_torch_function_stack() == 1
+        and torch._C._get_function_stack_at(0) is mode
+        and torch_made(optimizer, "step")
+    ):
+        torch._C._pop_torch_function_stack()
+        _SCOPE.suspended = optimizer
+
+
+def _step_post_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _SCOPE.__dict__.get("suspended") is optimizer:
+        _resume_mode()
+
+
+def _resume_mode() -> None:
+    """Puts back the mode `_step_pre_hook` took off (a step that raised gets no post
+    hook: the scope's exit, or the next step's, puts it back)."""
+    _SCOPE.suspended = None
+    torch._C._push_on_torch_function_stack(_SCOPE.mode)
+
+
+def _register_optimizer_hooks() -> None:
+    if not _OPTIMIZER_HOOKS:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(_step_pre_hook))
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(_step_post_hook))
+
+
+def _push_replica_mode(device: torch.device) -> Any:
+    """``torch.device(device)`` as this thread's replica default-device mode."""
+    mode: Any = DeviceContext(device)
+    mode.__enter__()
+    _SCOPE.mode, _SCOPE.suspended = mode, None
+    if not _OPTIMIZER_HOOKS:
+        _register_optimizer_hooks()
+    return mode
+
+
+def _pop_replica_mode(mode: Any) -> None:
+    if _SCOPE.__dict__.get("suspended") is not None:  # a torch.optim step raised
+        _resume_mode()
+    _SCOPE.mode = None
+    mode.__exit__(None, None, None)
+
+
 class _DeviceScope:
     """A replica's device scope (``TorchBackend.device_scope``): entered at every run by
     every replica, so a plain class rather than a generator and an ``ExitStack``.
@@ -537,9 +618,7 @@ class _DeviceScope:
     def __enter__(self) -> None:
         if self._cpu:  # entered by every CPU replica at every run: the least work
             if self._default and not _default_device_is(_CPU):
-                mode: Any = DeviceContext(_CPU)
-                mode.__enter__()
-                self._mode = mode
+                self._mode = _push_replica_mode(_CPU)
             return
         self._multithreading = torch._C._is_multithreading_enabled()
         torch._C._set_multithreading_enabled(False)
@@ -549,9 +628,7 @@ class _DeviceScope:
                 cuda.__enter__()
                 self._cuda = cuda
             if self._default and not _default_device_is(self._device):
-                mode = DeviceContext(self._device)
-                mode.__enter__()
-                self._mode = mode
+                self._mode = _push_replica_mode(self._device)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -560,11 +637,11 @@ class _DeviceScope:
         mode, cuda, self._mode, self._cuda = self._mode, self._cuda, None, None
         if self._cpu:
             if mode is not None:
-                mode.__exit__(None, None, None)
+                _pop_replica_mode(mode)
             return
         try:
             if mode is not None:
-                mode.__exit__(None, None, None)
+                _pop_replica_mode(mode)
         finally:
             try:
                 if cuda is not None:

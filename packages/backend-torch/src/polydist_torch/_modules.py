@@ -38,7 +38,7 @@ import polydist as pd
 from polydist.backend import replica_group
 from polydist.backend.context import current_replica
 from polydist.backend.tracing import is_tracing, swap_storage
-from polydist_torch._backend import TorchBackend, _GradMode, _OutsideDefaultDevice
+from polydist_torch._backend import TorchBackend, _GradMode, _OutsideDefaultDevice, torch_made
 from polydist_torch._storage import mark_variable_storage
 
 __all__ = [
@@ -481,37 +481,20 @@ def _init_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 #: torch's ``Optimizer.zero_grad`` (an optimizer that does not override it runs it).
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
-_TORCH_MADE: dict[tuple[type, str], bool] = {}
-
-
-def _torch_made(optimizer: torch.optim.Optimizer, method: str) -> bool:
-    """Whether ``type(optimizer).<method>`` is torch's own (``torch.optim.Adam.step``),
-    not a user's override."""
-    key = (type(optimizer), method)
-    made = _TORCH_MADE.get(key)
-    if made is None:
-        fn = getattr(type(optimizer), method, None)
-        made = _TORCH_MADE[key] = str(getattr(fn, "__module__", "")).startswith("torch.")
-    return made
 
 
 def _step_wrapped(optimizer: torch.optim.Optimizer) -> Any:
-    """``optimizer.step()``; torch's own step outside the replica's default-device mode.
-
-    torch.optim makes some state without ``device=`` and means the CPU (the step
-    counters of Adadelta, Adamax, NAdam, RAdam, RMSprop and ASGD): under the mode
-    they would land on the replica's GPU, where Adamax, NAdam, RAdam and ASGD's
-    ``.item()`` of them at each step would wait for the GPU. Outside it they are where torch puts
-    them, and the step's torch calls skip the mode (about 40 per step for SGD on
-    a 3-layer MLP)."""
-    if _torch_made(optimizer, "step"):
+    """``optimizer.step()``; torch's own step outside the replica's default-device mode,
+    as for any torch.optim optimizer stepped in a replica (`_backend._step_pre_hook`
+    says why), and so is the mode's other user, `zero_grad`."""
+    if torch_made(optimizer, "step"):
         with _OutsideDefaultDevice():
             return optimizer.step()
     return optimizer.step()
 
 
 def _zero_grad_wrapped(optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-    if _torch_made(optimizer, "zero_grad"):
+    if torch_made(optimizer, "zero_grad"):
         with _OutsideDefaultDevice():
             optimizer.zero_grad(set_to_none=set_to_none)
     else:
@@ -765,7 +748,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # replica in sync the sum is its own gradients, so the step is the wrapped
             # optimizer's, on the very .grad tensors backward() made.
             opt = self._replicas[0]
-            if _torch_made(opt, "step"):  # all of it outside the mode (`_step_wrapped`)
+            if torch_made(opt, "step"):  # all of it outside the mode (`_step_wrapped`)
                 with _OutsideDefaultDevice(), _GradMode(False):
                     if not self._alone:
                         self._all_reduce_gradients(0)
