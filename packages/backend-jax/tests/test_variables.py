@@ -386,7 +386,7 @@ def test_cross_replica_writes_outside_run() -> None:
             out = m.assign(3.0)
         m.assign_add(1.0)
         s.assign(10.0)  # each copy holds 10 / 3
-        i.assign(10)  # 10 / 3 cast to int32 on each copy
+        i.assign(10)  # split exactly: 4, 3, 3 (TF: 10 / 3 cast, reading 9)
         return out, copies(m), copies(s), s.read_value(), copies(i), i.read_value()
 
     check_both(program, replicas=3)

@@ -413,11 +413,20 @@ class TestSyncOnRead:
         assert copies(v) == [3.0, 3.0, 3.0]
         assert float(out) == 9.0 and float(v.read_value()) == 9.0
 
-    def test_cross_replica_assign_sum_int_casts_like_tf(self) -> None:
+    def test_cross_replica_assign_sum_int_keeps_the_total(self) -> None:
+        # TF stores cast(10 / 3) = 3 in each copy and reads 9; polydist splits exactly.
         strategy = pd.MirroredStrategy(3)
         v = mirrored_var(strategy, 0, synchronization=VS.ON_READ, aggregation=VA.SUM)
-        v.assign(10)  # 10 / 3 cast to int32 on each copy
+        out = v.assign(10)
+        assert copies(v) == [4, 3, 3] and int(out) == 10 and int(v.read_value()) == 10
+        assert v.assign(-10, read_value=False) is None
+        assert copies(v) == [-2, -4, -4] and int(v.read_value()) == -10
+        v.assign(9)  # N divides it: TF's copies
         assert copies(v) == [3, 3, 3] and int(v.read_value()) == 9
+        small = mirrored_var(strategy, np.int8(0), synchronization=VS.ON_READ, aggregation=VA.SUM)
+        small.assign(np.int8(-128))
+        assert copies(small) == [-42, -43, -43] and int(small.read_value()) == -128
+        assert small.read_value().dtype == np.int8
 
     @pytest.mark.parametrize("method", ["assign_add", "assign_sub"])
     def test_cross_replica_assign_add_sub_of_sum_raise(self, method: str) -> None:

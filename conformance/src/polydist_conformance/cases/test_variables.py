@@ -678,9 +678,12 @@ def test_sync_on_read_sum_counts_the_initial_value_once_per_replica(
 def test_sync_on_read_sum_assign_stores_value_over_n(
     conformance: Conformance, replicas: int | None
 ) -> None:
-    """A cross-replica ``assign(9)`` stores ``9 / N`` in each copy, so the read is 9; an
-    int32 variable gets ``10 / N`` cast to int32 (TF), reading ``N * (10 // N)``."""
+    """A cross-replica ``assign(9)`` stores ``9 / N`` in each copy, so the read is 9. An
+    int32 variable is split exactly, ``10 // N`` in each copy but the first, which holds
+    the rest, so it reads 10 (TF casts ``10 / N`` into each copy and reads ``N * (10 //
+    N)``: a difference from TF)."""
     n = _count(conformance, replicas)
+    first = 10 - (n - 1) * (10 // n)
     share = np.float32(9.0) / np.float32(n)
 
     def program(strategy: pd.Strategy, xp: Any) -> Any:
@@ -704,8 +707,10 @@ def test_sync_on_read_sum_assign_stores_value_over_n(
             "variable": Distributed("SyncOnReadVariable", (share,) * n),
             "returned": _f32(9.0),
             "read": _f32(9.0),
-            "counter": Distributed("SyncOnReadVariable", (np.int32(10 // n),) * n),
-            "counter_read": np.int32(n * (10 // n)),
+            "counter": Distributed(
+                "SyncOnReadVariable", (np.int32(first),) + (np.int32(10 // n),) * (n - 1)
+            ),
+            "counter_read": np.int32(10),
         },
     )
 

@@ -85,6 +85,7 @@ import numpy as np
 from polydist._base import context as _context
 from polydist._base.arrays import (
     dtype_name,
+    is_integral,
     mean_from_sum,
 )
 from polydist._base.devices import HOST_DEVICE
@@ -477,7 +478,8 @@ class SyncOnReadVariable(DistributedVariable):
     For metrics: in replica context reads and writes use the replica's copy.
     In cross-replica context a read gives the SUM or MEAN of the copies (or
     replica 0's with ``ONLY_FIRST_REPLICA``); ``assign(x)`` stores ``x / N``
-    in each copy for ``SUM`` (so the read gives ``x``) and ``x`` otherwise;
+    in each copy for a float ``SUM`` (an integer one is split exactly), so the
+    read gives ``x``, and ``x`` otherwise;
     ``assign_add``/``assign_sub`` raise ``ValueError`` for ``SUM``.
     """
 
@@ -530,7 +532,11 @@ class SyncOnReadVariable(DistributedVariable):
                 # Keep the sum across save/restore: each copy holds value / N (TF casts).
                 xp = self._backend.array_namespace()
                 total = self._values[0]._coerce(value, "assign")
-                value = xp.astype(mean_from_sum(xp, total, _global_copies(self)), self.dtype)
+                n = _global_copies(self)
+                if _is_integer(xp, self.dtype):
+                    self._assign_integer_split(total, n)
+                    return self.read_value() if read_value else None
+                value = xp.astype(mean_from_sum(xp, total, n), self.dtype)
         elif agg is VariableAggregation.SUM:
             raise ValueError(
                 f"SyncOnReadVariable does not support `{_method_name(update_fn)}` in "
@@ -542,6 +548,22 @@ class SyncOnReadVariable(DistributedVariable):
         for c in self._values:
             update_fn(c, value, read_value=False)
         return self.read_value() if read_value else None
+
+    def _assign_integer_split(self, total: Any, n: int) -> None:
+        """Not TF's ``cast(total / N)`` in each copy, which drops the remainder (10 on 3
+        copies reads 9): ``total // N`` in each copy but the first, which holds the rest
+        (the copies TF writes wherever N divides ``total``), so the read is ``total``."""
+        strategy = self._distribute_strategy
+        offset = int(getattr(getattr(strategy, "extended", None), "_replica_offset", 0))
+        share = self._backend.array_namespace().floor_divide(total, n)
+        first = total - share * (n - 1)
+        for i, c in enumerate(self._values):
+            _assign_fn(c, first if offset + i == 0 else share, read_value=False)
+
+
+def _is_integer(xp: Any, dtype: Any) -> bool:
+    """Integer, not bool (a bool SUM variable keeps TF's cast)."""
+    return is_integral(xp, dtype) and dtype_name(dtype) != "bool"
 
 
 def _method_name(update_fn: Callable[..., Any]) -> str:
