@@ -312,3 +312,23 @@ def test_bfloat16(conformance: Conformance, op: str) -> None:
         conformance.check(program, expected=per_replica([total] * n))
     else:
         conformance.check(program)
+
+
+def test_complex_mean_divides_each_part(conformance: Conformance) -> None:
+    """MEAN of complex64 divides each part of the sum by N, correctly rounded: (10+1j)/3
+    is (10/3, 1/3) in float32, where NumPy's, torch's and XLA's complex division (a
+    multiplication by the reciprocal) are 1 ulp off, and (inf+1j)/3 is (inf, 1/3), where
+    they give NaN in the imaginary part."""
+    n = 3
+    total = np.array([10 + 1j, np.inf + 1j, -7 - 2j], np.complex64)
+    inputs = [total] + [np.zeros(3, np.complex64)] * (n - 1)
+    mean = np.empty(3, np.complex64)
+    mean.real = total.real / np.float32(n)
+    mean.imag = total.imag / np.float32(n)
+    assert mean[0].real == np.float32(10) / np.float32(3) != (total[:1] / np.float32(n))[0].real
+
+    def program(strategy: pd.Strategy, xp: Any) -> Any:
+        out = strategy.run(_all_reduce("MEAN"), args=(distribute(strategy, xp, inputs),))
+        return strategy.experimental_local_results(out)
+
+    conformance.check(program, replicas=n, expected=(mean,) * n)

@@ -35,6 +35,10 @@ def exact_divide(total: Any, count: Any) -> Any:
     total = _jnp.asarray(total)
     if not _jnp.issubdtype(total.dtype, _jnp.inexact):
         return total / count
+    if _jnp.issubdtype(total.dtype, _jnp.complexfloating):
+        # Each part on its own, as the sim and torch divide: XLA's complex division
+        # gives NaN in the imaginary part of (inf+1j)/3.
+        return lax.complex(_divide(_jnp.real(total), count), _divide(_jnp.imag(total), count))
     return _divide(total, count)
 
 

@@ -25,7 +25,16 @@ import torch
 
 from polydist_torch import _low_precision
 
-__all__ = ["asarray"]
+__all__ = ["asarray", "exact_divide"]
+
+
+def exact_divide(total: Any, count: Any) -> Any:
+    """``total / count``, correctly rounded (core's ``divide_exactly``): torch divides a
+    complex number by multiplying with the divisor's reciprocal (1 ulp off for
+    ``(10+0j) / 3``), so each part of a complex ``total`` is divided on its own."""
+    if isinstance(total, torch.Tensor) and total.dtype in (torch.complex64, torch.complex128):
+        return torch.complex(total.real / count, total.imag / count)
+    return total / count
 
 
 def asarray(

@@ -89,13 +89,25 @@ def is_floating(xp: Any, dtype: Any) -> bool:
 
 
 def divide_exactly(xp: Any, total: Any, count: Any) -> Any:
-    """``total / count`` (a float array by an int or a 0-d array), correctly rounded.
+    """``total / count`` (a float or complex array by an int or a 0-d array), correctly
+    rounded; a complex ``total`` has each part divided on its own.
 
-    XLA turns ``x / n`` into ``x * (1/n)``, 1 ulp off for a third of values: a
-    namespace whose compiler does so gives its own ``exact_divide`` (polydist_jax's).
+    XLA turns ``x / n`` into ``x * (1/n)``, 1 ulp off for a third of values, and
+    complex divisions in NumPy, torch and XLA multiply by a reciprocal too: a
+    namespace that does so gives its own ``exact_divide`` (polydist_jax's,
+    polydist_torch's); NumPy's complex arrays are divided here.
     """
     divide = getattr(xp, "exact_divide", None)
-    return total / count if divide is None else divide(total, count)
+    if divide is not None:
+        return divide(total, count)
+    if isinstance(total, np.ndarray | np.generic) and np.iscomplexobj(total):
+        # NumPy divides a complex number by multiplying with 1/count (1 ulp off for
+        # (10+0j)/3): each part divided on its own is the correctly rounded quotient.
+        parts = np.empty(np.shape(total), dtype=total.dtype)
+        parts.real = np.real(total) / count
+        parts.imag = np.imag(total) / count
+        return parts if isinstance(total, np.ndarray) else parts[()]
+    return total / count
 
 
 def mean_from_sum(xp: Any, total: Any, count: int) -> Any:
