@@ -315,6 +315,36 @@ class TestMirroredUpdates:
             strategy.run(lambda: v.assign(np.float32(rid() + 5)))  # once per variable
         assert copies(v) == [5.0, 6.0, 7.0]
 
+    def test_cross_replica_write_of_per_replica_values_diverges_and_warns_once(self) -> None:
+        # TF gives each copy its own replica's component of a PerReplica or a
+        # SyncOnReadVariable written in cross-replica context: kept, and warned about.
+        strategy = pd.MirroredStrategy(3)
+        v = mirrored_var(strategy, 0.0, name="w")
+        with strategy.scope():
+            counts = pd.Variable(
+                0.0,
+                synchronization=pd.VariableSynchronization.ON_READ,
+                aggregation=VA.SUM,
+            )
+        strategy.run(lambda: counts.assign(np.float32(rid() + 1)))
+        assert float(counts.read_value()) == 6.0
+        with pytest.warns(
+            pd.ReplicaDivergenceWarning,
+            match=r"'w:0'.*replica\(s\) 1, 2 differ.*SyncOnReadVariable in cross-replica",
+        ):
+            v.assign(counts)
+        assert copies(v) == [1.0, 2.0, 3.0]  # TF's values are kept
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            v.assign_add(pd.PerReplica([np.float32(1), np.float32(0), np.float32(5)]))
+        assert copies(v) == [2.0, 2.0, 8.0]  # once per variable
+        same = mirrored_var(strategy, 0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # equal components leave the copies equal
+            same.assign(pd.PerReplica([np.float32(4)] * 3))
+            same.assign(strategy.reduce("SUM", counts, axis=None))
+        assert copies(same) == [6.0, 6.0, 6.0]
+
     def test_replica_context_none_with_equal_values_does_not_warn(self) -> None:
         strategy = pd.MirroredStrategy(3)
         v = mirrored_var(strategy, 0.0)

@@ -100,6 +100,7 @@ from polydist._valuetypes.values import (
 )
 from polydist.backend._contract import (
     Backend,
+    is_symbolic,
 )
 
 if TYPE_CHECKING:
@@ -445,7 +446,11 @@ class MirroredVariable(DistributedVariable, Mirrored):
     ) -> Any:
         strategy = self._distribute_strategy
         assert strategy is not None
-        return strategy.extended.update(self, update_fn, args=(value,), kwargs=kwargs, group=True)
+        result = strategy.extended.update(self, update_fn, args=(value,), kwargs=kwargs, group=True)
+        if isinstance(value, DistributedValues) and not isinstance(value, Mirrored):
+            # Each copy took its own replica's component (TF): a trap when they differ.
+            _warn_if_assigned_apart(self, value)
+        return result
 
     def _update_replica(
         self, ctx: ReplicaContext, update_fn: Callable[..., Any], value: Any, **kwargs: Any
@@ -755,6 +760,29 @@ def differing_replicas(var: DistributedVariable) -> list[int]:
         for r, c in enumerate(var._values[1:], start=1)
         if not identical(var._backend, first, c._array)
     ]
+
+
+def _warn_if_assigned_apart(var: MirroredVariable, value: DistributedValues) -> None:
+    """Warns once per variable when a cross-replica write of a per-replica ``value`` left
+    the copies different (TF writes each replica's component to its copy, silently). Not
+    checked while a program is compiled (the copies have no values yet)."""
+    if var._divergence_warned or any(is_symbolic(var._backend, c._array) for c in var._values):
+        return
+    diverged = differing_replicas(var)
+    if diverged:
+        var._divergence_warned = True
+        shown = ", ".join(str(r) for r in diverged[:8]) + (", ..." if len(diverged) > 8 else "")
+        warnings.warn(
+            f"MirroredVariable {var.name!r} now holds different values on different "
+            f"replicas: replica(s) {shown} differ from replica 0 after a write of a "
+            f"{type(value).__name__} in cross-replica context, which gives each copy its own "
+            "replica's value. TF does the same silently; polydist keeps TF's values and "
+            "warns once per variable. Reduce the value first "
+            "(strategy.reduce(..., axis=None), or read a SyncOnReadVariable's aggregate with "
+            "v.read_value()) to give every copy the same value.",
+            ReplicaDivergenceWarning,
+            stacklevel=_user_stacklevel(),
+        )
 
 
 def after_run(extended: StrategyExtended) -> None:
