@@ -43,7 +43,7 @@ from polydist._strategies.mirrored import (
 )
 from polydist._strategies.strategy import Strategy, StrategyExtended, _check_reduce_op
 from polydist._valuetypes import nest as _nest
-from polydist.backend._contract import Backend
+from polydist.backend._contract import Backend, is_symbolic
 from polydist.cluster_resolver import ClusterResolver, ClusterSpec, TPUClusterResolver
 from polydist.data import Dataset, InputContext, InputReplicationMode
 
@@ -161,7 +161,9 @@ class MultiStepContext:
         are reduced across replicas with the current strategy (TF:
         ``strategy.reduce(reduce_op, output, axis=None)``). In replica context
         (inside ``call_for_each_replica``) ``reduce_op`` is required, and every
-        replica must call this (it is a ``merge_call``).
+        replica must call this (it is a ``merge_call``); where the backend
+        compiles the replica function (JAX), ``ValueError``: record the result
+        of ``call_for_each_replica`` in cross-replica context instead.
         """
         if _context.in_cross_replica_context():
             self._last_step_outputs_reduce_ops[name] = reduce_op
@@ -183,7 +185,9 @@ class MultiStepContext:
 
         def merge_fn(strategy: Strategy, value: Any) -> None:
             # Set once in merge_fn: every replica shares this context object.
-            self._last_step_outputs[name] = self._reduce(strategy, reduce_op, value)
+            reduced = self._reduce(strategy, reduce_op, value)
+            _check_concrete(strategy, reduced, f"set_last_step_output({name!r}, ...)")
+            self._last_step_outputs[name] = reduced
             self._last_step_outputs_reduce_ops[name] = reduce_op
 
         replica_ctx.merge_call(merge_fn, args=(output,))
@@ -203,7 +207,9 @@ class MultiStepContext:
         assert replica_ctx is not None  # not cross-replica: a replica (or the default) context
 
         def merge_fn(strategy: Strategy, value: Any) -> None:
-            self._non_tensor_outputs[name] = self._local_results(strategy, value)
+            results = self._local_results(strategy, value)
+            _check_concrete(strategy, results, f"set_non_tensor_output({name!r}, ...)")
+            self._non_tensor_outputs[name] = results
 
         replica_ctx.merge_call(merge_fn, args=(output,))
 
@@ -221,6 +227,26 @@ class MultiStepContext:
             f"MultiStepContext(last_step_outputs={sorted(self._last_step_outputs)}, "
             f"non_tensor_outputs={sorted(self._non_tensor_outputs)})"
         )
+
+
+def _check_concrete(strategy: Strategy, value: Any, call: str) -> None:
+    """Raises if ``value`` belongs to a program being compiled (a JAX tracer).
+
+    ``merge_fn`` of a compiled replica function runs once, at trace time: what it
+    stores in the context would be a tracer, unusable after ``run``, and a cached
+    program would not call it again on later steps.
+    """
+    backend = strategy.extended._backend
+    if not any(is_symbolic(backend, leaf) for leaf in _nest.flatten(value)[0]):
+        return
+    raise ValueError(
+        f"MultiStepContext.{call} was called inside a replica function that backend "
+        f"{backend.name!r} compiles: the value would be a traced placeholder, not the "
+        "step's result. Return the value from the replica function and record it in "
+        "cross-replica context instead (out = strategy.extended.call_for_each_replica(...); "
+        "context.set_last_step_output(name, out, reduce_op)), or run the backend eagerly "
+        "(e.g. JaxBackend(jit=False))."
+    )
 
 
 def run_steps(
