@@ -359,6 +359,19 @@ class TestMethods:
         assert isinstance(one, distribute.MapOutput) and one.get() == [1.0, 2.0]
         assert float(single.reduce(VA.MEAN, one)) == 1.5
 
+    def test_map_over_fewer_elements_than_towers(self) -> None:
+        # TF's reduce skips the towers that got no element; it used to raise here.
+        s = tpu(num_cores=4)
+        out = s.map([1.0, 2.0], lambda x: np.float32(x))
+        assert [o.get() for o in s.unwrap(out)] == [[1.0], [2.0], [], []]
+        with s.scope():
+            assert float(s.reduce(VA.SUM, out, "/cpu:0")) == 3.0
+            assert float(s.reduce(VA.MEAN, out, "/cpu:0")) == 1.5  # over the 2 elements
+            assert floats(s.reduce(VA.SUM, out)) == [3.0] * 4
+            assert [float(r) for r in s.batch_reduce(VA.MEAN, [(out, "/cpu:0")])] == [1.5]
+            with pytest.raises(ValueError, match="no elements"):
+                s.reduce(VA.SUM, s.map([], lambda x: x), "/cpu:0")
+
     def test_non_slot_devices(self) -> None:
         s = tpu()
         v = var(s)

@@ -191,7 +191,8 @@ class MapOutput:
     """One tower's results of ``DistributionStrategy.map``: ``get()`` gives the list.
 
     ``reduce`` combines a ``PerReplica`` of them: SUM adds every element,
-    MEAN divides that by the number of elements.
+    MEAN divides that by the number of elements (a tower that got none adds
+    nothing, as in TF).
     """
 
     __slots__ = ("_l",)
@@ -479,18 +480,22 @@ class DistributionStrategy(StrategyV1):
                 "VariableAggregation.SUM or MEAN."
             )
         outputs = value.values if isinstance(value, DistributedValues) else (value,)
-        partials, count = [], 0
+        partials: list[Any] = []
+        count = 0
         for output in outputs:
             items = [convert_to_array(x) for x in output.get()]
-            if not items:
-                continue
             count += len(items)
-            total = items[0]
+            total = items[0] if items else None
             for x in items[1:]:  # sum within the device first, as TF
                 total = total + x
             partials.append(total)
-        if not partials:
+        present = [p for p in partials if p is not None]
+        if not present:
             raise ValueError("Cannot reduce the result of map() over no elements.")
+        # Towers that got no element (fewer elements than towers) add nothing: TF
+        # skips them; the reduction still needs one value per tower.
+        xp = self.extended.array_namespace()
+        partials = [xp.zeros_like(present[0]) if p is None else p for p in partials]
         total = self.extended._reduce_to(ReduceOp.SUM, PerReplica(partials), HOST_DEVICE)
         if op is ReduceOp.MEAN:  # the mean over elements, not over towers
             total = mean_from_sum(self.extended.array_namespace(), total, count)
