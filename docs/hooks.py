@@ -93,6 +93,7 @@ NAME_TABLE: dict[str, list[tuple[str, str, str]]] = {
         ("tf.distribute.InputContext", "polydist.InputContext", ""),
         ("tf.distribute.InputOptions", "polydist.InputOptions", ""),
         ("tf.distribute.InputReplicationMode", "polydist.InputReplicationMode", ""),
+        ("tf.distribute.RunOptions", "polydist.RunOptions", "accepted; changes nothing"),
         ("tf.distribute.experimental.ValueContext", "polydist.experimental.ValueContext", ""),
         ("tf.nn.compute_average_loss", "polydist.nn.compute_average_loss", ""),
         ("tf.nn.scale_regularization_loss", "polydist.nn.scale_regularization_loss", ""),

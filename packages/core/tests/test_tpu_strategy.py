@@ -358,3 +358,24 @@ def test_non_slot_devices_are_the_host_and_update_non_slot_runs_once(make: Any) 
         strategy.run(lambda: ext.update_non_slot(devices, lambda: 1))
     # A multi-host slice: the first host's CPU.
     assert make("v3-32").extended.non_slot_devices([]) == HOST
+
+
+def test_run_options() -> None:
+    # tf.distribute.RunOptions: TF's namedtuple and defaults; run accepts it everywhere.
+    options = pd.RunOptions()
+    assert options == (True, False, None)
+    assert options.experimental_enable_dynamic_batch_size is True
+    assert options.experimental_bucketizing_dynamic_shape is False
+    assert options.experimental_xla_options is None
+    assert pd.RunOptions(experimental_bucketizing_dynamic_shape=True)[1] is True
+    import polydist.compat.v1 as v1
+
+    assert v1.distribute.RunOptions is pd.RunOptions
+    s = tpu("v2-8")
+    ids = s.run(
+        lambda: pd.get_replica_context().replica_id_in_sync_group,
+        options=pd.RunOptions(experimental_enable_dynamic_batch_size=False),
+    )
+    assert [int(i) for i in s.experimental_local_results(ids)] == list(range(8))
+    total = s.experimental_run_v2(lambda: np.float32(1), options=options)
+    assert float(s.reduce("SUM", s.run(lambda x: x + 0, args=(total,)), axis=None)) == 8.0

@@ -46,6 +46,7 @@ from polydist._strategies.context import in_cross_replica_context as in_cross_re
 from polydist._strategies.mirrored import MirroredStrategy as MirroredStrategy
 from polydist._strategies.mirrored import OneDeviceStrategy as OneDeviceStrategy
 from polydist._strategies.replica_context import ReplicaContext as ReplicaContext
+from polydist._strategies.strategy import RunOptions as RunOptions
 from polydist._strategies.strategy import Strategy as Strategy
 from polydist._strategies.strategy import StrategyExtended as StrategyExtended
 from polydist._valuetypes.indexed_slices import IndexedSlices as IndexedSlices
@@ -90,6 +91,7 @@ __all__ = [
     "ReductionToOneDevice",
     "ReplicaContext",
     "ReplicaDivergenceWarning",
+    "RunOptions",
     "Strategy",
     "StrategyExtended",
     "SyncOnReadVariable",

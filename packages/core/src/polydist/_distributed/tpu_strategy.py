@@ -596,7 +596,8 @@ class TPUStrategy(Strategy):
         ``tf.function``), compiled on jax and torch-xla.
 
         Inside, ``get_replica_context()`` is a `TPUReplicaContext`; its
-        ``all_gather`` needs the same shape on every replica.
+        ``all_gather`` needs the same shape on every replica. ``options`` (a
+        `polydist.RunOptions`) is accepted and changes nothing.
         """
         return super().run(fn, args, kwargs, options)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ContextDecorator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from polydist._input.input_lib import DistributedDataset
     from polydist.data import InputContext, InputOptions
 
-__all__ = ["Strategy", "StrategyExtended"]
+__all__ = ["RunOptions", "Strategy", "StrategyExtended"]
 
 _GATHER_MESSAGE = (
     "tf.distribute.Strategy.gather method requires cross-replica context, use "
@@ -467,6 +467,27 @@ def _replica_arrays(value: DistributedValues) -> list[Any]:
     copy, as TF's per-replica ``reduce_sum(v, axis)`` reads it (backends take arrays only)."""
     value = _variables.read_for_reduce(value)
     return [convert_to_array(_variables.read_for_reduce(v)) for v in value.values]
+
+
+class RunOptions(NamedTuple):
+    """Options of ``Strategy.run`` (``tf.distribute.RunOptions``), as TF's namedtuple.
+
+    TF's ``TPUStrategy`` reads them when it compiles the step; the other strategies
+    ignore them. polydist accepts them on every strategy (``run(fn, options=...)``)
+    and they change nothing: no backend needs them to run a step whose batch size
+    varies.
+
+    Attributes:
+        experimental_enable_dynamic_batch_size: TPU: compile for a batch size
+            that may vary between steps (default True).
+        experimental_bucketizing_dynamic_shape: TPU: pad dynamic shapes to a
+            power of two (default False).
+        experimental_xla_options: TPU: XLA compiler options (default None).
+    """
+
+    experimental_enable_dynamic_batch_size: bool = True
+    experimental_bucketizing_dynamic_shape: bool = False
+    experimental_xla_options: Any = None
 
 
 class Strategy:

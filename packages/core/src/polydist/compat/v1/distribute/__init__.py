@@ -18,6 +18,7 @@ from polydist._strategies.context import get_strategy as get_strategy
 from polydist._strategies.context import has_strategy as has_strategy
 from polydist._strategies.context import in_cross_replica_context as in_cross_replica_context
 from polydist._strategies.replica_context import ReplicaContext as ReplicaContext
+from polydist._strategies.strategy import RunOptions as RunOptions
 from polydist._v1.compat_v1 import MirroredStrategyV1 as MirroredStrategy
 from polydist._v1.compat_v1 import OneDeviceStrategyV1 as OneDeviceStrategy
 from polydist._v1.compat_v1 import StrategyExtendedV1 as StrategyExtended
@@ -37,6 +38,7 @@ __all__ = [
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "RunOptions",
     "Strategy",
     "StrategyExtended",
     "cluster_resolver",
