@@ -1,4 +1,4 @@
-"""polydist.compat.v1 on the jax backend: multi-step loops record real values."""
+"""polydist.compat.v1 and contrib on the jax backend: no traced value passes as a real one."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 import polydist as pd
 import polydist.compat.v1 as v1
+from polydist.contrib import distribute
 from polydist_jax import JaxBackend
 
 N = 4  # replicas; each step's global batch of 8 gives each replica 2 elements
@@ -78,3 +79,23 @@ def test_set_last_step_output_in_replica_fn_eager() -> None:
     ctx = strategy.extended.experimental_run_steps_on_iterator(step_fn, _iterator(strategy), 2)
     assert float(np.asarray(ctx.last_step_outputs["loss"])) == float(np.arange(8, 16).sum())
     assert ctx.non_tensor_outputs == {"first": (8.0, 10.0, 12.0, 14.0)}
+
+
+def _tower_device() -> str:
+    ctx = distribute.get_tower_context()
+    assert ctx is not None
+    return ctx.device
+
+
+def test_tower_device_in_compiled_run_raises() -> None:
+    # It used to answer the host's CPU for every tower.
+    strategy = distribute.MirroredStrategy(backend=JaxBackend())
+    with pytest.raises(RuntimeError, match="compiled"):
+        strategy.call_for_each_tower(_tower_device)
+
+
+def test_tower_device_eager() -> None:
+    strategy = distribute.MirroredStrategy(backend=JaxBackend(jit=False))
+    devices = strategy.unwrap(strategy.call_for_each_tower(_tower_device))
+    assert devices == strategy.worker_devices
+    assert len(set(devices)) == strategy.num_towers == 8

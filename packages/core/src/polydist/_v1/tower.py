@@ -140,12 +140,13 @@ class TowerContext:
 
     @property
     def device(self) -> str:
-        """The device this tower runs on."""
+        """The device this tower runs on (the host's CPU for the default tower).
+
+        Raises ``RuntimeError`` in a compiled (SPMD) run, where no Python tower
+        index exists, as ``ReplicaContext.devices`` does.
+        """
         require_tower_context(self)
-        try:
-            return self._replica_context.devices[0]
-        except RuntimeError:  # the default strategy has no worker devices: the host runs it
-            return HOST_DEVICE
+        return self._replica_context.devices[0]
 
     def __repr__(self) -> str:
         index = self._replica_context._replica_index
