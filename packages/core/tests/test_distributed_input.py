@@ -1021,3 +1021,27 @@ def test_mwms_element_spec_is_dynamic_even_with_drop_remainder() -> None:
 def test_mwms_one_shot_iterator_is_rejected() -> None:
     with pytest.raises(ValueError, match="one-shot iterator"):
         mwms(2).experimental_distribute_dataset(iter([np.arange(4)]))
+
+
+def test_mwms_workers_shard_one_order_of_a_seeded_shuffle() -> None:
+    # TF: each worker builds its own pipeline, so with a seed their k-th passes
+    # shuffle alike and the DATA shards split one order. A shuffle shared by the
+    # workers' copies reshuffled once per worker: elements doubled and lost.
+    dataset = data(Dataset.range(8).shuffle(8, seed=1).batch(4))
+    dist = mwms(2).experimental_distribute_dataset(dataset)
+    orders = []
+    for _ in range(2):  # two epochs of one distributed dataset
+        got = steps(dist)
+        assert sorted(v for step in got for x in step for v in x) == list(range(8))
+        orders.append(got)
+    assert orders[0] != orders[1]  # reshuffled between epochs, as TF
+    first = [int(x) for x in dataset.unbatch()]  # the dataset's own first pass
+    assert [x for step in orders[0] for r in (0, 1) for x in step[r]] == first
+
+    shuffled = Dataset.range(8).shuffle(8, seed=1)  # one object for every worker
+
+    def dataset_fn(context: InputContext) -> Dataset:
+        return shuffled.shard(context.num_input_pipelines, context.input_pipeline_id).batch(2)
+
+    got = steps(mwms(2).distribute_datasets_from_function(dataset_fn))
+    assert sorted(v for step in got for x in step for v in x) == list(range(8))

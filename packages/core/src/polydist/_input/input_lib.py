@@ -734,7 +734,10 @@ def distribute_datasets_from_function(
     pipelines = []
     for pipeline_id in range(count):
         context = InputContext(count, pipeline_id, num_replicas)
-        pipelines.append(_from_fn_result(dataset_fn(context), context))
+        pipeline = _from_fn_result(dataset_fn(context), context)
+        if layout.num_workers > 1:  # dataset_fn may share one shuffle between workers
+            pipeline = pipeline._with_own_state()
+        pipelines.append(pipeline)
     own = pipelines[0 if per_replica else layout.worker_index]
     infinite = all(p.cardinality() == INFINITE_CARDINALITY for p in pipelines)
     return DistributedDataset(

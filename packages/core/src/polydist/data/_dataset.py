@@ -185,6 +185,18 @@ class Dataset(abc.ABC):
         replacement = replace(node)
         return node if replacement is None else replacement
 
+    def _with_own_state(self) -> Dataset:
+        """This pipeline with its stateful nodes copied (a shuffle's count of passes).
+
+        For one worker's copy of a pipeline read with other workers' copies: on
+        TF each worker builds its own, so their k-th passes shuffle alike. Shared,
+        reading W copies per pass would reshuffle W times, and the workers'
+        shards of one pass would come from different orders.
+        """
+        return self._rewrite(
+            lambda node: copy.copy(node) if isinstance(node, _ShuffleDataset) else None
+        )
+
     def _find_file_source(self) -> _FileDataset | str:
         from polydist.data._sources import _FileDataset  # the sources subclass Dataset
 

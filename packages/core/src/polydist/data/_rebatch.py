@@ -503,6 +503,8 @@ def rebatch_and_shard(
     if replicas_per_worker < 1:
         raise ValueError(f"replicas_per_worker must be >= 1, got {replicas_per_worker}.")
     source = as_dataset(dataset)
+    if num_workers > 1:  # each worker's copy reshuffles on its own passes only
+        source = source._with_own_state()
     num_replicas = num_workers * replicas_per_worker
     if num_replicas > 1:
         batch_size = compute_batch_size(source)
