@@ -772,6 +772,25 @@ def test_per_replica_mode_builds_one_pipeline_per_replica() -> None:
     assert backend.placed[:3] == [gpu(0), gpu(1), gpu(2)]
 
 
+def test_per_replica_mode_is_mirrored_strategys_only() -> None:
+    # TF: OneDevice, TPU and CollectiveAllReduce (MWMS, one worker too) raise
+    # NotImplementedError; the default strategy ignores the options.
+    from polydist.cluster_resolver import TPUClusterResolver
+
+    per_replica = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)
+    for strategy in (
+        pd.OneDeviceStrategy("/cpu:0"),
+        pd.TPUStrategy(TPUClusterResolver(tpu="v4-8")),
+        mwms(1, 2),
+    ):
+        with pytest.raises(NotImplementedError, match="MirroredStrategy"):
+            strategy.distribute_datasets_from_function(lambda _: Dataset.range(4), per_replica)
+    default = pd.get_strategy().distribute_datasets_from_function(
+        lambda _: Dataset.range(4).batch(2), per_replica
+    )
+    assert steps(default) == [[[0, 1]], [[2, 3]]]
+
+
 def test_input_options_are_validated() -> None:
     strategy = pd.MirroredStrategy(2)
     per_replica = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)

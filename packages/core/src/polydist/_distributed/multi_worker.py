@@ -77,6 +77,8 @@ class MultiWorkerExtended(MirroredExtended):
     * ``_worker_devices_by_worker``: every worker's D devices, by worker index.
     """
 
+    _per_replica_input: ClassVar[bool] = False  # TF's CollectiveAllReduceExtended raises
+
     def __init__(
         self,
         container_strategy: Strategy,

@@ -699,7 +699,7 @@ def distribute_datasets_from_function(
     ``dataset_fn(InputContext)`` is called once per input pipeline, right
     away: once per worker (PER_WORKER, the default) with
     ``InputContext(num_workers, worker_id, num_replicas_in_sync)``, or once per
-    replica (``InputReplicationMode.PER_REPLICA``, single-worker strategies)
+    replica (``InputReplicationMode.PER_REPLICA``, MirroredStrategy only)
     with ``InputContext(num_replicas, replica_id, num_replicas_in_sync)``. It
     returns a ``Dataset`` (or an iterable) of *per-replica* batches: nothing is
     rebatched or sharded. A worker's replicas take its elements round-robin;
@@ -722,11 +722,13 @@ def distribute_datasets_from_function(
         and options.experimental_replication_mode == InputReplicationMode.PER_REPLICA
     )
     if per_replica:
-        if layout.num_workers > 1:
+        # TF: only MirroredStrategy takes it; the default strategy ignores options.
+        mirrored = getattr(strategy.extended, "_per_replica_input", False)
+        if layout.num_workers > 1 or not (mirrored or _is_default_strategy(strategy)):
             raise NotImplementedError(
-                "InputReplicationMode.PER_REPLICA is only supported by single-worker strategies "
-                f"(MirroredStrategy); this {type(strategy).__name__} has {layout.num_workers} "
-                "workers. Use the default PER_WORKER mode."
+                "InputReplicationMode.PER_REPLICA is only supported in "
+                "`distribute_datasets_from_function` of MirroredStrategy (single-worker), not "
+                f"of {type(strategy).__name__}. Use the default PER_WORKER mode."
             )
         count, per_pipeline = len(layout.devices), 1
     else:

@@ -46,6 +46,10 @@ __all__ = ["MirroredStrategy", "OneDeviceStrategy"]
 class MirroredExtended(StrategyExtended):
     """``StrategyExtended`` of ``MirroredStrategy``."""
 
+    # distribute_datasets_from_function takes InputReplicationMode.PER_REPLICA
+    # (TF: only MirroredStrategy's; the others raise NotImplementedError).
+    _per_replica_input: ClassVar[bool] = True
+
 
 class MirroredStrategy(Strategy):
     """Synchronous training on several devices of one machine.
