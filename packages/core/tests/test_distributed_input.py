@@ -1064,3 +1064,29 @@ def test_mwms_workers_shard_one_order_of_a_seeded_shuffle() -> None:
 
     got = steps(mwms(2).distribute_datasets_from_function(dataset_fn))
     assert sorted(v for step in got for x in step for v in x) == list(range(8))
+
+
+def test_mwms_warns_when_workers_shard_an_unseeded_shuffle() -> None:
+    # TF's trap: with one process per worker each draws its own seed and the
+    # shards overlap; the result is kept, with a warning.
+    unseeded = data(Dataset.range(8).shuffle(8).batch(4))
+    with pytest.warns(UserWarning, match="shuffle without a seed"):
+        dist = mwms(2).experimental_distribute_dataset(unseeded)
+    assert sorted(v for step in steps(dist) for x in step for v in x) == list(range(8))
+
+    def sharded_after(context: InputContext) -> Dataset:
+        shuffled = Dataset.range(8).shuffle(8)
+        return shuffled.shard(context.num_input_pipelines, context.input_pipeline_id).batch(2)
+
+    with pytest.warns(UserWarning, match="shuffle without a seed"):
+        mwms(2).distribute_datasets_from_function(sharded_after)
+
+    # No warning (filterwarnings=error): a seed, a shuffle after the shard, one worker.
+    mwms(2).experimental_distribute_dataset(data(Dataset.range(8).shuffle(8, seed=3).batch(4)))
+
+    def shuffled_after(context: InputContext) -> Dataset:
+        shard = Dataset.range(8).shard(context.num_input_pipelines, context.input_pipeline_id)
+        return shard.shuffle(8).batch(2)
+
+    mwms(2).distribute_datasets_from_function(shuffled_after)
+    distribute(2, data(Dataset.range(8).shuffle(8).batch(4)))

@@ -672,6 +672,7 @@ def distribute_dataset(
     own = pipelines[warn_for] if pipelines else source
     if not pipelines:
         pipelines.append(source)
+    _warn_if_sharding_an_unseeded_shuffle(layout, own)
     devices = _value_devices(layout, options)
     cardinality = source.cardinality()  # TF: the cardinality of the dataset given
     return DistributedDataset(
@@ -741,6 +742,7 @@ def distribute_datasets_from_function(
             pipeline = pipeline._with_own_state()
         pipelines.append(pipeline)
     own = pipelines[0 if per_replica else layout.worker_index]
+    _warn_if_sharding_an_unseeded_shuffle(layout, own)
     infinite = all(p.cardinality() == INFINITE_CARDINALITY for p in pipelines)
     return DistributedDataset(
         strategy,
@@ -756,6 +758,22 @@ def distribute_datasets_from_function(
         tuple(p for p in pipelines if isinstance(p, _IterableDataset)),
         pads=layout.num_replicas > 1,
     )
+
+
+def _warn_if_sharding_an_unseeded_shuffle(layout: _Layout, pipeline: Dataset) -> None:
+    # TF's trap: each worker's process draws its own seed, so the workers' shards
+    # come from different orders; TF says nothing.
+    if layout.num_workers > 1 and pipeline._shards_an_unseeded_shuffle():
+        warnings.warn(
+            f"The input of {layout.num_workers} workers is sharded after a shuffle without a "
+            "seed. With one process per worker each process draws its own seed, so the "
+            "workers' shards come from different orders: some examples are read twice in an "
+            "epoch and others never (as in TF; the sim runs every worker in one process and "
+            "hides it). Pass a seed, e.g. dataset.shuffle(buffer_size, seed=1), or shuffle "
+            "after sharding.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _from_fn_result(result: object, context: InputContext) -> Dataset:

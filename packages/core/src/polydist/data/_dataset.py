@@ -197,6 +197,17 @@ class Dataset(abc.ABC):
             lambda node: copy.copy(node) if isinstance(node, _ShuffleDataset) else None
         )
 
+    def _shards_an_unseeded_shuffle(self) -> bool:
+        """Whether a ``shard`` in the pipeline reads from a ``shuffle`` without a seed."""
+        stack: list[tuple[Dataset, bool]] = [(self, False)]
+        while stack:
+            node, below_shard = stack.pop()
+            if below_shard and isinstance(node, _ShuffleDataset) and not node._seeded:
+                return True
+            below = below_shard or isinstance(node, _ShardDataset)
+            stack.extend((child, below) for child in node._inputs)
+        return False
+
     def _find_file_source(self) -> _FileDataset | str:
         from polydist.data._sources import _FileDataset  # the sources subclass Dataset
 
@@ -686,6 +697,7 @@ class _ShuffleDataset(Dataset):
     ) -> None:
         super().__init__(source)
         self._buffer_size = buffer_size
+        self._seeded = seed is not None
         if seed is None:  # one fresh seed per dataset, fixed across its iterations
             seed = int(np.random.default_rng().integers(2**63))
         self._seed = int(seed) % 2**64
