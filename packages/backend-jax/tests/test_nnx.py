@@ -523,6 +523,41 @@ def test_train_checkpoint_saves_and_restores_nnx_objects(tmp_path: Path) -> None
         np.testing.assert_array_equal(copy.numpy(), np.full(16, 3.0))
 
 
+class WithHead(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.l1 = nnx.Linear(8, 16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 3, rngs=rngs)
+        self.head = nnx.Linear(3, 2, rngs=rngs)  # not in an MLP's checkpoint
+
+
+def test_checkpoint_restores_the_layers_a_grown_model_shares(tmp_path: Path) -> None:
+    """A model with a layer the checkpoint lacks gets the layers it holds (TF's partial
+    restore); before, expect_partial() hid that nothing of it was restored."""
+    source = MLP(nnx.Rngs(0))
+    source.l1.bias[...] = jnp.full(16, 3.0)
+    path = pd.train.Checkpoint(model=source).write(str(tmp_path / "mlp"))
+
+    plain = WithHead(nnx.Rngs(1))
+    head = np.asarray(plain.head.kernel[...])
+    status = pd.train.Checkpoint(model=plain).read(path)
+    with pytest.raises(AssertionError, match="not assigned a value.*model/head/bias"):
+        status.assert_existing_objects_matched()
+    status.expect_partial()
+    np.testing.assert_array_equal(plain.l1.bias[...], np.full(16, 3.0))
+    np.testing.assert_array_equal(plain.l2.kernel[...], source.l2.kernel[...])
+    np.testing.assert_array_equal(plain.head.kernel[...], head)
+
+    strategy = pd.MirroredStrategy(2, backend="jax")
+    with strategy.scope():
+        grown = pdnnx.distribute(WithHead(nnx.Rngs(2)))
+    head = np.asarray(grown.head.kernel[...])
+    pd.train.Checkpoint(model=grown).read(path).expect_partial()
+    for copy in pdnnx.variables(grown)["l1/bias"].values:
+        np.testing.assert_array_equal(copy.numpy(), np.full(16, 3.0))
+    np.testing.assert_array_equal(grown.l2.kernel[...], source.l2.kernel[...])
+    np.testing.assert_array_equal(grown.head.kernel[...], head)
+
+
 class Counted(nnx.Module):
     def __init__(self, rngs: nnx.Rngs) -> None:
         self.l = nnx.Linear(2, 2, rngs=rngs)

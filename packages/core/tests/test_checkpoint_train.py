@@ -247,6 +247,58 @@ def test_register_checkpointable(tmp_path: Path) -> None:
         register_checkpointable(Box(1.0), to_nest=lambda o: o)  # type: ignore[arg-type]
 
 
+class Grown:
+    """A registered object that gained a leaf since its checkpoint was saved."""
+
+    def __init__(self, fill: float, *, head: bool) -> None:
+        self.params = {"w": np.full(2, fill, np.float32)}
+        if head:
+            self.params["head"] = np.full(3, fill, np.float32)
+
+
+def test_registered_objects_restore_partially(tmp_path: Path) -> None:
+    """A leaf missing from the checkpoint (a layer added since) is unmatched, as in TF;
+    the others are still restored (before, the whole object silently kept its values)."""
+    register_checkpointable(
+        Grown,
+        to_nest=lambda g: g.params,
+        from_nest=lambda g, nest: setattr(g, "params", nest),
+    )
+    path = Checkpoint(g=Grown(4.0, head=False)).save(tmp_path / "ckpt")
+    grown = Grown(0.0, head=True)
+    status = Checkpoint(g=grown).restore(path)
+    with pytest.raises(AssertionError, match="not assigned a value.*g/head"):
+        status.assert_existing_objects_matched()
+    status.expect_partial()
+    assert grown.params["w"].tolist() == [4.0, 4.0]
+    assert grown.params["head"].tolist() == [0.0, 0.0, 0.0]  # its own value, kept
+
+    class VarGrown:  # every leaf a Variable: only the stored ones are written
+        def __init__(self, leaves: dict[str, pd.Variable]) -> None:
+            self.leaves = leaves
+
+    def refuse(v: VarGrown, nest: Any) -> None:
+        raise AssertionError("the Variables are assigned in place")
+
+    register_checkpointable(VarGrown, to_nest=lambda v: v.leaves, from_nest=refuse)
+    strategy = pd.MirroredStrategy(2)
+    with strategy.scope():
+        w = pd.Variable(np.full(2, 5.0, np.float32), name="w")
+        saved = pd.Variable(np.int64(0), name="n", synchronization=VS.ON_READ, aggregation=VA.SUM)
+    saved.assign(7)
+    path = Checkpoint(v=VarGrown({"w": w, "n": saved})).save(tmp_path / "vars")
+    with strategy.scope():
+        w2 = pd.Variable(np.zeros(2, np.float32), name="w2")
+        n2 = pd.Variable(np.int64(0), name="n2", synchronization=VS.ON_READ, aggregation=VA.SUM)
+        new = pd.Variable(
+            np.float32(0), name="new", synchronization=VS.ON_READ, aggregation=VA.MEAN
+        )
+    strategy.run(lambda: new.assign(np.float32(rid())))  # per-replica values 0 and 1
+    Checkpoint(v=VarGrown({"w": w2, "n": n2, "new": new})).restore(path).expect_partial()
+    assert w2.numpy().tolist() == [5.0, 5.0] and int(n2.read_value()) == 7
+    assert [float(c.numpy()) for c in new.values] == [0.0, 1.0]  # untouched
+
+
 def test_manager_keeps_max_to_keep_and_restores(tmp_path: Path) -> None:
     v = pd.Variable(0.0, name="v")
     ckpt = Checkpoint(v=v)

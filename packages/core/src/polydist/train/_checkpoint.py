@@ -475,14 +475,16 @@ class Checkpoint:
                 leaves: list[tuple[str, Any]] = []
                 nest = slot.reg.to_nest(slot.obj)
                 _nest_leaves(nest, slot.path, leaves)
-                missing = [k for k, _ in leaves if k not in manifest.arrays]
-                if missing:
-                    unmatched.extend(missing)
+                # TF restores each value it finds: the leaves the checkpoint lacks (a layer
+                # added since) are unmatched, the others still restored.
+                present = [(k, leaf) for k, leaf in leaves if k in manifest.arrays]
+                unmatched.extend(k for k, _ in leaves if k not in manifest.arrays)
+                if not present:
                     continue
-                for key, leaf in leaves:
+                for key, leaf in present:
                     spec = manifest.arrays[key]
                     _check(key, _leaf_spec(leaf), (spec.shape, dtype_name(spec.dtype)), problems)
-                consumed.update(dict.fromkeys(k for k, _ in leaves))
+                consumed.update(dict.fromkeys(k for k, _ in present))
                 plan.append((slot, (nest, leaves)))
         if problems:
             raise CheckpointMismatchError(
@@ -621,14 +623,22 @@ def _prepare(slot: _Slot, what: Any, stored: Mapping[str, np.ndarray]) -> Callab
                 f"so every leaf of to_nest must be a polydist.Variable; {bad[0]!r} is not. "
                 "Register it with a from_nest(obj, nest) that writes the values back"
             )
-        writes = [_assign_later(leaf, stored[k]) for k, leaf in leaves]
+    if slot.reg.from_nest is None or (
+        any(k not in stored for k, _ in leaves)
+        and all(isinstance(leaf, Variable) for _, leaf in leaves)
+    ):
+        # Variables are assigned here, the ones the checkpoint holds only (a distributed
+        # nnx object restored partially keeps its other copies untouched).
+        writes = [_assign_later(leaf, stored[k]) for k, leaf in leaves if k in stored]
 
         def write_all() -> None:
             for w in writes:
                 w()
 
         return write_all
-    rebuilt = _nest_rebuild(nest, slot.path, {k: stored[k] for k, _ in leaves})
+    # A leaf the checkpoint lacks gets its current value back.
+    values = {k: stored[k] if k in stored else _leaf_to_numpy(leaf) for k, leaf in leaves}
+    rebuilt = _nest_rebuild(nest, slot.path, values)
     from_nest = slot.reg.from_nest
     return lambda: from_nest(slot.obj, rebuilt)
 
