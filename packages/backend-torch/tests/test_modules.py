@@ -273,6 +273,40 @@ def test_scheduler_and_clipping_reach_every_replica() -> None:
         torch.testing.assert_close(p.detach(), q, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize(
+    "make_scheduler",
+    [
+        lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch)),
+        lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0),
+    ],
+    ids=["StepLR", "LambdaLR", "ReduceLROnPlateau"],
+)
+def test_a_scheduler_stepped_inside_run_raises(make_scheduler: Any) -> None:
+    """Stepped in each replica, a scheduler advanced N times per training step (StepLR's
+    last_epoch 8 after 2 steps on 4 replicas): a wrong learning rate, silently."""
+    strategy = cpu_strategy(4)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    sched = make_scheduler(opt)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        pd.nn.compute_average_loss_exact(per_example_loss(model, x, y)).backward()
+        assert len(opt.param_groups[0]["params"]) == 4  # reading the groups is fine
+        opt.step()
+        opt.zero_grad()
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            sched.step(1.0)
+        else:
+            sched.step()
+
+    x, y = next(iter(strategy.experimental_distribute_dataset(make_loader())))
+    with pytest.raises(RuntimeError, match="scheduler .* ran inside strategy.run"):
+        strategy.run(step, args=(x, y))
+    assert [r.param_groups[0]["lr"] for r in opt.replicas] == [0.5] * 4  # none set
+
+
 def test_one_replica_steps_without_a_collective() -> None:
     """At one replica in sync the gradients' sum is the gradients themselves: step() issues
     no all_reduce (issue 20: it copied every gradient in and out, about 5% of an MLP step)."""

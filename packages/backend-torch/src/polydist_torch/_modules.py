@@ -503,6 +503,19 @@ def _zero_grad_wrapped(optimizer: torch.optim.Optimizer, set_to_none: bool) -> N
 
 _profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
+
+def _in_scheduler(frame: Any) -> bool:
+    """Whether a learning-rate scheduler's method is among the few callers nearest
+    ``frame`` (its get_lr reads ``param_groups`` from a comprehension's frame)."""
+    for _ in range(4):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), torch.optim.lr_scheduler.LRScheduler):
+            return True
+        frame = frame.f_back
+    return False
+
+
 #: Float dtypes whose integers are exact up to any replica count polydist runs.
 _EXACT_COUNTS = (torch.float32, torch.float64)
 
@@ -595,7 +608,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # The wrapped optimizer's, so schedulers and hyperparameter edits reach it.
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self._current().param_groups
+        r = self._index()
+        if r is not None and _in_scheduler(sys._getframe(1)):
+            # Stepped on every replica it would advance N times per step, silently.
+            raise RuntimeError(
+                "A learning-rate scheduler of this DistributedOptimizer ran inside "
+                "strategy.run: its step() would run once per replica "
+                f"({self._strategy.num_replicas_in_sync} times per training step) and set "
+                "each replica's own copy. Create and step it outside strategy.run, once per "
+                "step (`strategy.run(train_step, ...); scheduler.step()`): every copy takes "
+                "replica 0's hyperparameters at its next step()."
+            )
+        return self._replicas[r or 0].param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
