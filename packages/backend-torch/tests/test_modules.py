@@ -273,6 +273,51 @@ def test_scheduler_and_clipping_reach_every_replica() -> None:
         torch.testing.assert_close(p.detach(), q, rtol=RTOL, atol=ATOL)
 
 
+def test_layers_frozen_through_replica_zero_stay_frozen_on_every_replica() -> None:
+    """`for p in model.module[0].parameters(): p.requires_grad = False` outside run
+    freezes replica 0's copy: the other replicas used to train the layer, and their
+    summed gradients (3 of 4 parts) moved it on every replica."""
+
+    def reference() -> list[torch.Tensor]:
+        model = make_model()
+        for p in model[0].parameters():
+            p.requires_grad = False
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        for x, y in make_loader():
+            (per_example_loss(model, x, y).sum() / x.shape[0]).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    strategy = cpu_strategy(4)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+    first = [p.detach().clone() for p in model.module[0].parameters()]
+    for p in model.module[0].parameters():  # replica 0's copy: the usual idiom
+        p.requires_grad = False
+    assert [v.name for v in model.trainable_variables] == ["2.weight:0", "2.bias:0"]
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    for x, y in strategy.experimental_distribute_dataset(make_loader()):
+        strategy.run(distributed_step(model, opt), args=(x, y))
+    for replica in model.replicas:
+        for p, q in zip(replica[0].parameters(), first):
+            assert not p.requires_grad and p.grad is None
+            assert torch.equal(p.detach(), q)
+    pd.debugging.check_replicas_identical(strategy)
+    for p, q in zip(model.parameters(), reference()):
+        torch.testing.assert_close(p.detach(), q, rtol=RTOL, atol=ATOL)
+
+    # Unfrozen again through replica 0: every replica's gradient counts.
+    for p in model.module[0].parameters():
+        p.requires_grad = True
+    strategy.run(
+        distributed_step(model, opt),
+        args=next(iter(strategy.experimental_distribute_dataset(make_loader()))),
+    )
+    assert not torch.equal(model.module[0].weight.detach(), first[0])
+    pd.debugging.check_replicas_identical(strategy)
+
+
 @pytest.mark.parametrize(
     "make_scheduler",
     [

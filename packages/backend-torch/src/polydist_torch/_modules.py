@@ -207,6 +207,7 @@ class DistributedModule(nn.Module):
         object.__setattr__(self, "_replicas", tuple(replicas))
         object.__setattr__(self, "_variables", variables)
         object.__setattr__(self, "_buffer_slots", tuple(buffer_slots))
+        object.__setattr__(self, "_params", tuple(tuple(m.parameters()) for m in replicas))
         for r, m in enumerate(replicas):
             for p in m.parameters():
                 _OWNERS[p] = (weakref.ref(self), r)
@@ -248,8 +249,10 @@ class DistributedModule(nn.Module):
 
     @property
     def trainable_variables(self) -> list[Any]:
-        """The variables of parameters that require gradients."""
-        return [v for v in self._variables.values() if v.trainable]
+        """The variables of parameters that require gradients (replica 0's flags, so
+        layers frozen after distributing drop out, as Keras' ``trainable = False``)."""
+        params = dict(self.module.named_parameters())
+        return [v for k, v in self._variables.items() if k in params and params[k].requires_grad]
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -262,6 +265,8 @@ class DistributedModule(nn.Module):
         r = _replica_index(self.strategy, "this DistributedModule")
         if r is not None:
             self._refresh_buffers(r)
+            if r:
+                self._follow_requires_grad(r)
         return getattr(self._replicas[r or 0], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -269,10 +274,19 @@ class DistributedModule(nn.Module):
         if r is not None:
             if self._buffer_slots:  # most models' steps have none to refresh
                 self._refresh_buffers(r)
+            if r:
+                self._follow_requires_grad(r)
             return self._replicas[r](*args, **kwargs)
         self._refresh_buffers(0)
         with self._cross_replica_buffers():
             return self.module(*args, **kwargs)
+
+    def _follow_requires_grad(self, r: int) -> None:
+        # Layers frozen (or unfrozen) through model.parameters() outside run changed
+        # replica 0's copy only: the other copies follow it, as the optimizer's do.
+        for p0, p in zip(self._params[0], self._params[r]):
+            if p.requires_grad is not p0.requires_grad:
+                p.requires_grad_(p0.requires_grad)
 
     def _refresh_buffers(self, r: int) -> None:
         # A polydist write (assign, checkpoint.restore) stores a new tensor: point the
@@ -337,8 +351,8 @@ class DistributedModule(nn.Module):
         return self
 
     def requires_grad_(self, requires_grad: bool = True) -> DistributedModule:
-        """Sets ``requires_grad`` on every replica's copy (to freeze layers, call it on
-        ``model.replicas``' submodules alike, or before distributing)."""
+        """Sets ``requires_grad`` on every replica's copy. Flags set on replica 0's
+        parameters (``model.parameters()`` outside run) reach the other copies too."""
         for m in self._replicas:
             m.requires_grad_(requires_grad)
         return self
@@ -712,6 +726,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if len(self._replicas) == 1 and self._bucket_sum(params):
             self._reduced[r] = True
             return
+        if r:
+            for p0, p in zip(self._params(0), params):
+                if not p0.requires_grad and p.grad is not None:
+                    p.grad = None  # frozen on replica 0 (the model's own): no gradient
         ctx = pd.get_replica_context()
         assert ctx is not None
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
