@@ -292,8 +292,9 @@ def test_layers_frozen_through_replica_zero_stay_frozen_on_every_replica() -> No
     strategy = cpu_strategy(4)
     with strategy.scope():
         model = polydist_torch.distribute_module(make_model())
-    first = [p.detach().clone() for p in model.module[0].parameters()]
-    for p in model.module[0].parameters():  # replica 0's copy: the usual idiom
+    assert model[0] is model.module[0] and len(list(model)) == 3  # nn.Sequential's layers
+    first = [p.detach().clone() for p in model[0].parameters()]
+    for p in model[0].parameters():  # replica 0's copy: the usual idiom
         p.requires_grad = False
     assert [v.name for v in model.trainable_variables] == ["2.weight:0", "2.bias:0"]
     opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))

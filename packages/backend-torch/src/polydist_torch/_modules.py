@@ -269,6 +269,15 @@ class DistributedModule(nn.Module):
                 self._follow_requires_grad(r)
         return getattr(self._replicas[r or 0], name)
 
+    def __getitem__(self, index: Any) -> Any:
+        # A container's layers (model[0] of an nn.Sequential), as attributes are reached.
+        r = _replica_index(self.strategy, "this DistributedModule")
+        if r is not None:
+            self._refresh_buffers(r)
+            if r:
+                self._follow_requires_grad(r)
+        return self._replicas[r or 0][index]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r = _replica_index(self._strategy, "this DistributedModule")
         if r is not None:
