@@ -293,9 +293,11 @@ class DistributedModule(nn.Module):
     def _follow_requires_grad(self, r: int) -> None:
         # Layers frozen (or unfrozen) through model.parameters() outside run changed
         # replica 0's copy only: the other copies follow it, as the optimizer's do.
-        for p0, p in zip(self._params[0], self._params[r]):
-            if p.requires_grad is not p0.requires_grad:
-                p.requires_grad_(p0.requires_grad)
+        # Outside the default-device mode: two attribute reads per parameter per call.
+        with _OutsideDefaultDevice():
+            for p0, p in zip(self._params[0], self._params[r]):
+                if p.requires_grad is not p0.requires_grad:
+                    p.requires_grad_(p0.requires_grad)
 
     def _refresh_buffers(self, r: int) -> None:
         # A polydist write (assign, checkpoint.restore) stores a new tensor: point the
