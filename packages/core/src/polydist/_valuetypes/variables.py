@@ -768,21 +768,14 @@ def _warn_if_assigned_apart(var: MirroredVariable, value: DistributedValues) -> 
     checked while a program is compiled (the copies have no values yet)."""
     if var._divergence_warned or any(is_symbolic(var._backend, c._array) for c in var._values):
         return
-    diverged = differing_replicas(var)
-    if diverged:
-        var._divergence_warned = True
-        shown = ", ".join(str(r) for r in diverged[:8]) + (", ..." if len(diverged) > 8 else "")
-        warnings.warn(
-            f"MirroredVariable {var.name!r} now holds different values on different "
-            f"replicas: replica(s) {shown} differ from replica 0 after a write of a "
-            f"{type(value).__name__} in cross-replica context, which gives each copy its own "
-            "replica's value. TF does the same silently; polydist keeps TF's values and "
-            "warns once per variable. Reduce the value first "
-            "(strategy.reduce(..., axis=None), or read a SyncOnReadVariable's aggregate with "
-            "v.read_value()) to give every copy the same value.",
-            ReplicaDivergenceWarning,
-            stacklevel=_user_stacklevel(),
-        )
+    _warn_if_diverged(
+        var,
+        f"after a write of a {type(value).__name__} in cross-replica context, which gives "
+        "each copy its own replica's value. TF does the same silently",
+        "Reduce the value first (strategy.reduce(..., axis=None), or read a "
+        "SyncOnReadVariable's aggregate with v.read_value()) to give every copy the same "
+        "value.",
+    )
 
 
 def after_run(extended: StrategyExtended) -> None:
@@ -795,20 +788,30 @@ def after_run(extended: StrategyExtended) -> None:
         var = ref()
         if var is None or var._divergence_warned:
             continue
-        diverged = differing_replicas(var)
-        if diverged:
-            var._divergence_warned = True
-            shown = ", ".join(str(r) for r in diverged[:8]) + (", ..." if len(diverged) > 8 else "")
-            warnings.warn(
-                f"MirroredVariable {var.name!r} (aggregation=NONE) now holds different values on "
-                f"different replicas: replica(s) {shown} differ from replica 0 after updates in "
-                "replica context. TF keeps such copies diverged silently (each replica wrote "
-                "its own copy); polydist keeps TF's values and warns once per variable. Give "
-                "the variable aggregation=SUM, MEAN or ONLY_FIRST_REPLICA, or update it in "
-                "cross-replica context (merge_call + strategy.extended.update).",
-                ReplicaDivergenceWarning,
-                stacklevel=_user_stacklevel(),
-            )
+        _warn_if_diverged(
+            var,
+            "after updates in replica context. TF keeps such copies diverged silently (each "
+            "replica wrote its own copy)",
+            "Give the variable aggregation=SUM, MEAN or ONLY_FIRST_REPLICA, or update it in "
+            "cross-replica context (merge_call + strategy.extended.update).",
+            aggregation=" (aggregation=NONE)",
+        )
+
+
+def _warn_if_diverged(var: MirroredVariable, how: str, advice: str, aggregation: str = "") -> None:
+    """`ReplicaDivergenceWarning`, once per variable, if ``var``'s copies now differ."""
+    diverged = differing_replicas(var)
+    if not diverged:
+        return
+    var._divergence_warned = True
+    shown = ", ".join(str(r) for r in diverged[:8]) + (", ..." if len(diverged) > 8 else "")
+    warnings.warn(
+        f"MirroredVariable {var.name!r}{aggregation} now holds different values on different "
+        f"replicas: replica(s) {shown} differ from replica 0 {how}; polydist keeps TF's "
+        f"values and warns once per variable. {advice}",
+        ReplicaDivergenceWarning,
+        stacklevel=_user_stacklevel(),
+    )
 
 
 _LIBRARY_MODULES = ("polydist", "greenlet", "contextlib", "optree")
