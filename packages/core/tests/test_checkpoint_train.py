@@ -349,6 +349,25 @@ def test_manager_interval_and_errors(tmp_path: Path) -> None:
         CheckpointManager(ckpt, tmp_path, max_to_keep=1, checkpoint_interval=5)
 
 
+def test_a_failed_manager_save_changes_nothing_but_the_counter(tmp_path: Path) -> None:
+    step = pd.Variable(np.int64(10), name="step")
+    ckpt = Checkpoint(step=step)
+    manager = CheckpointManager(
+        ckpt, tmp_path, max_to_keep=2, step_counter=step, checkpoint_interval=10
+    )
+    first = manager.save(checkpoint_number=7)
+    assert first is not None and manager.checkpoints == [first]
+    step.assign(np.int64(20))
+    with pytest.raises(pd.checkpoint.CheckpointError, match="ckpt-7 already exists"):
+        manager.save(checkpoint_number=7)  # the latest: never replaced
+    assert manager.checkpoints == [first]
+    assert manager.latest_checkpoint == first
+    assert int(ckpt.save_counter.numpy()) == 2  # incremented before the write, as TF
+    again = manager.save()  # the same step: the failed save did not count
+    assert again is not None and again.endswith("ckpt-3")
+    assert manager.checkpoints == [first, again]
+
+
 def test_manager_keep_checkpoint_every_n_hours(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -160,7 +160,10 @@ class CheckpointManager:
     ) -> str | None:
         """Saves a checkpoint numbered ``checkpoint_number`` (default the incremented
         ``save_counter``) and deletes the oldest beyond ``max_to_keep``. Returns its path,
-        or None when ``checkpoint_interval`` says it is not yet time."""
+        or None when ``checkpoint_interval`` says it is not yet time. A save that raises
+        leaves the manager as it was (``checkpoints``, the interval's last step), so a
+        retry saves; ``save_counter`` stays incremented, as in TF."""
+        last_step = self._last_checkpoint_step
         if self._checkpoint_interval is not None:
             current = int(np.asarray(_value(self._step_counter)))
             if self._last_checkpoint_step is not None:
@@ -172,8 +175,12 @@ class CheckpointManager:
                 ):
                     return None
             self._last_checkpoint_step = current
-        with collective_purpose("checkpoint save"):  # see checkpoint.save
-            return self._save(checkpoint_number)
+        try:
+            with collective_purpose("checkpoint save"):  # see checkpoint.save
+                return self._save(checkpoint_number)
+        except BaseException:
+            self._last_checkpoint_step = last_step
+            raise
 
     def _save(self, checkpoint_number: Any) -> str:
         counter = self._checkpoint.save_counter
@@ -184,9 +191,14 @@ class CheckpointManager:
             else int(np.asarray(_value(checkpoint_number)))
         )
         path = os.fspath(Path(self._directory) / f"{self._name}-{number}")
+        kept = self._maybe_delete.copy()
         self._maybe_delete.pop(path, None)
-        self._maybe_delete[path] = time.time()
-        out = self._checkpoint._write_to(Path(path), number, self._record_state())
+        self._maybe_delete[path] = time.time()  # the record written lists it
+        try:
+            out = self._checkpoint._write_to(Path(path), number, self._record_state())
+        except BaseException:
+            self._maybe_delete = kept
+            raise
         self._latest = path
         if out is None:
             return path  # not the chief: nothing to delete either
