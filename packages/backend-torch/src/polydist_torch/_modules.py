@@ -27,7 +27,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -508,17 +508,9 @@ def _init_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
-def _step_wrapped(optimizer: torch.optim.Optimizer) -> Any:
-    """``optimizer.step()``; torch's own step outside the replica's default-device mode,
-    as for any torch.optim optimizer stepped in a replica (`_backend._step_pre_hook`
-    says why), and so is the mode's other user, `zero_grad`."""
-    if torch_made(optimizer, "step"):
-        with _OutsideDefaultDevice():
-            return optimizer.step()
-    return optimizer.step()
-
-
 def _zero_grad_wrapped(optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+    # torch's own zero_grad outside the replica's default-device mode, as its step is
+    # (`_backend._step_pre_hook`; torch has no global zero_grad hook).
     if torch_made(optimizer, "zero_grad"):
         with _OutsideDefaultDevice():
             optimizer.zero_grad(set_to_none=set_to_none)
@@ -801,17 +793,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # replica in sync the sum is its own gradients, so the step is the wrapped
             # optimizer's, on the very .grad tensors backward() made.
             opt = self._replicas[0]
-            if torch_made(opt, "step"):  # all of it outside the mode (`_step_wrapped`)
-                with _OutsideDefaultDevice(), _GradMode(False):
-                    if not self._alone:
+            # torch's own step leaves the default-device mode anyway (its global hook,
+            # `_backend._step_pre_hook`); here, the per-step path, its profiler range and
+            # the grad mode's switches leave it too (4 calls less through the mode).
+            outside: Any = _OutsideDefaultDevice() if torch_made(opt, "step") else nullcontext()
+            with outside, _GradMode(False):
+                if not self._alone:
+                    with _OutsideDefaultDevice():  # polydist's own work: devices named
                         self._all_reduce_gradients(0)
-                    loss = opt.step()
-            else:
-                with _GradMode(False):
-                    if not self._alone:
-                        with _OutsideDefaultDevice():  # polydist's own work: devices named
-                            self._all_reduce_gradients(0)
-                    loss = opt.step()
+                loss = opt.step()
             self._reduced[0] = False
             return loss
         # torch.no_grad as a decorator clones its context at every call: a plain one here.
@@ -843,7 +833,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for k, v in main.items():
                     if k != "params":
                         mine[k] = v
-        loss = _step_wrapped(replica)
+        loss = replica.step()  # torch's own leaves the mode (_backend._step_pre_hook)
         self._reduced[r] = False
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})

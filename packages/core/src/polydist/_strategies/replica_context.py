@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -147,11 +148,19 @@ class ReplicaContext:
         check_call_options(options)
         if self._channel is None:  # one replica: the value is its own sum, read at the call
             return _read_copies(value)
+        scope = self._library_scope()
+        if scope is None:
+            return self._all_reduce(reduce_op, value, options)
+        with scope:
+            return self._all_reduce(reduce_op, value, options)
+
+    def _library_scope(self) -> AbstractContextManager[Any] | None:
+        """The backend's scope for core's own work in this replica's collectives
+        (`polydist.backend.SupportsLibraryScope`), or None."""
         backend = self._strategy.extended._backend
         if features(backend).library_scope:
-            with cast(SupportsLibraryScope, backend).library_scope():
-                return self._all_reduce(reduce_op, value, options)
-        return self._all_reduce(reduce_op, value, options)
+            return cast(SupportsLibraryScope, backend).library_scope()
+        return None
 
     def _all_reduce(self, reduce_op: ReduceOp, value: Any, options: Any) -> Any:
         assert self._channel is not None
@@ -183,11 +192,11 @@ class ReplicaContext:
         """
         _context.require_replica_context(self)
         check_call_options(options)
-        backend = self._strategy.extended._backend
-        if self._channel is not None and features(backend).library_scope:
-            with cast(SupportsLibraryScope, backend).library_scope():
-                return self._all_gather(value, axis)
-        return self._all_gather(value, axis)
+        scope = None if self._channel is None else self._library_scope()
+        if scope is None:
+            return self._all_gather(value, axis)
+        with scope:
+            return self._all_gather(value, axis)
 
     def _all_gather(self, value: Any, axis: int) -> Any:
         flat, spec = _nest.flatten(_variables_snapshot(value))

@@ -499,7 +499,7 @@ class DistributionStrategy(StrategyV1):
         partials = [xp.zeros_like(present[0]) if p is None else p for p in partials]
         total = self.extended._reduce_to(ReduceOp.SUM, PerReplica(partials), HOST_DEVICE)
         if op is ReduceOp.MEAN:  # the mean over elements, not over towers
-            total = mean_from_sum(self.extended.array_namespace(), total, count)
+            total = mean_from_sum(xp, total, count)
         if destinations is None:
             return (
                 total
