@@ -281,9 +281,53 @@ def pack_mismatch(out: Path) -> None:
         os._exit(17)
 
 
+def unchecked(out: Path) -> None:
+    """With $POLYDIST_CHECK_COLLECTIVES=0: the sums, and the number of elements of every
+    gloo all_reduce issued (no presence flag: the input's own size)."""
+    import torch
+    import torch.distributed as dist
+
+    import polydist as pd
+    import polydist_torch._multi_worker as mw
+
+    issued: list[int] = []
+    engine_all_reduce = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        issued.append(tensor.numel())
+        return engine_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    rank = int(os.environ["RANK"])
+    one = pd.MultiWorkerMirroredStrategy(backend="torch", local_devices=1)
+    two = pd.MultiWorkerMirroredStrategy(backend="torch", local_devices=2)
+    saved: dict[str, Any] = {}
+    x = torch.from_numpy(inputs("ints", rank))
+
+    def step(v: Any) -> Any:
+        ctx = pd.get_replica_context()
+        assert ctx is not None
+        return ctx.all_reduce(pd.ReduceOp.SUM, v)
+
+    saved["one_sum"] = one.run(step, args=(x,)).numpy().copy()
+    saved["one_sum_again"] = one.run(step, args=(x,)).numpy().copy()
+    nest = [torch.from_numpy(inputs("ints", rank)[:n]) for n in (1000, 20_000, 7)]
+    saved["nest"] = np.concatenate([r.numpy() for r in one.run(step, args=(nest,))])
+    values = two.experimental_distribute_values_from_function(
+        lambda c: torch.from_numpy(inputs("ints", rank, c.replica_id_in_sync_group % 2))
+    )
+    results = two.experimental_local_results(two.run(step, args=(values,)))
+    saved["two_sum"] = np.stack([r.numpy().copy() for r in results])
+    saved["issued"] = np.asarray(issued)
+    np.savez(out / f"worker{rank}.npz", **saved)
+    mw.shutdown()
+
+
 if __name__ == "__main__":
     if sys.argv[2:] == ["stall"]:
         stall(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["unchecked"]:
+        unchecked(Path(sys.argv[1]))
     elif sys.argv[2:] == ["pack_mismatch"]:
         pack_mismatch(Path(sys.argv[1]))
     else:

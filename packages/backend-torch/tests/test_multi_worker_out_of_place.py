@@ -147,6 +147,26 @@ def test_a_stalled_peer_is_named_after_the_timeout(tmp_path: Path) -> None:
     assert error["after"] < 3 + 10
 
 
+def test_unchecked_collectives_carry_no_presence_flag(tmp_path: Path) -> None:
+    # With checks off the flag serves nothing, and gloo sums a round size faster.
+    result, log = _launch_workers(2, tmp_path, "unchecked", env={"POLYDIST_CHECK_COLLECTIVES": "0"})
+    assert result.exit_code == 0, log
+    total = _sum("ints", 2)
+    for w in range(2):
+        with np.load(tmp_path / f"worker{w}.npz") as r:
+            assert np.array_equal(r["one_sum"], total)
+            assert np.array_equal(r["one_sum_again"], total)
+            assert np.array_equal(
+                r["nest"], np.concatenate([total[:1000], total[:20_000], total[:7]])
+            )
+            assert np.array_equal(r["two_sum"], np.stack([_sum("ints", 2, replicas=2)] * 2))
+            # One replica: the input's size, twice; the nest packed (21,007 floats); two
+            # replicas: their local sum, the input's size.
+            assert r["issued"].tolist() == [program.BIG, program.BIG, 21_007, program.BIG], r[
+                "issued"
+            ]
+
+
 def _nest_sum(workers: int, replicas: int = 1) -> list[np.ndarray]:
     """Each `program.NEST` array's sum in worker order (exact: integer-valued data)."""
     terms = [program.nest_inputs(w, r) for w in range(workers) for r in range(replicas)]

@@ -115,6 +115,32 @@ def test_free_ports_are_distinct() -> None:
 # --------------------------------------------------------------------------- failures
 
 
+def test_the_failure_is_the_first_worker_to_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Worker 1 dies; worker 0, seeing it (as a collective would), fails 0.1 s later. With
+    # a 1 s poll both have exited at the next look: the failure is still worker 1's.
+    monkeypatch.setattr(_launch, "_POLL_SECONDS", 1.0)
+    script = _script(
+        tmp_path,
+        """
+        import os, sys, time
+        died = os.path.join(sys.argv[1], "died")
+        if os.environ["RANK"] == "1":
+            open(died, "w").close()
+            os._exit(3)
+        while not os.path.exists(died):
+            time.sleep(0.005)
+        time.sleep(0.1)
+        os._exit(17)
+        """,
+    )
+    result, _, _ = _run(script, 2, str(tmp_path), timeout=60, grace=5)
+    assert (result.exit_code, result.failed_worker) == (3, 1), result.message
+    assert result.worker_codes == [17, 3]
+    assert "worker 1 (pid" in result.message and "exited with code 3" in result.message
+
+
 def test_a_failing_worker_stops_the_others(tmp_path: Path) -> None:
     script = _script(
         tmp_path,

@@ -413,6 +413,16 @@ class _ProcessGroup(mp.ClusterMembership):
         return cls(f"{head} failed; no other worker looks unavailable or late.{tail}")
 
     # -- the presence flag (``polydist._collectives.check``'s fast path) ---------------------
+    def wire(self, numel: int, dtype: torch.dtype, device: torch.device) -> str | None:
+        """`wire_of`, where a check will read the flag: ``None`` with checks off or no
+        store. Every worker learns the agreed setting at its first collective (until
+        then the flag travels), so the workers' buffers stay the same size; and gloo
+        sums a round size faster (2**20 floats about 10% faster than 2**20 + 1)."""
+        checker = self.checker
+        if checker is None or checker.enabled is False:
+            return None
+        return wire_of(numel, dtype, device)
+
     def reduce_checked_(
         self, flat: torch.Tensor, wire: str | None, pending: Pending | None
     ) -> None:
@@ -487,7 +497,7 @@ class _ProcessGroup(mp.ClusterMembership):
         """The sum over workers of ``tensor`` as a new tensor; ``tensor`` is only read.
         Checked (`checked_wire`): the copy into the result overlaps the check's round trip."""
         numel = tensor.numel()
-        wire = wire_of(numel, tensor.dtype, tensor.device)
+        wire = self.wire(numel, tensor.dtype, tensor.device)
 
         def copy() -> torch.Tensor:
             flat = presence_buffer(numel, tensor.dtype, tensor.device, cache, wire)
@@ -825,7 +835,7 @@ class TorchProcessGroupBackend(TorchBackend):
             device = torch_device(destination)
             wire = None
             if all(isinstance(v, torch.Tensor) for v in values):
-                wire = wire_of(first.numel(), first.dtype, device)
+                wire = self._group.wire(first.numel(), first.dtype, device)
             if wire is None:
                 local, _ = self._group.checked(
                     "all_reduce",
@@ -925,7 +935,7 @@ class TorchProcessGroupBackend(TorchBackend):
         small = [n * dtype.itemsize < CACHE_MIN_BYTES for n in numels]
         order = [i for i, s in enumerate(small) if not s] + [i for i, s in enumerate(small) if s]
         total = sum(numels)
-        wire = wire_of(total, dtype, device)
+        wire = self._group.wire(total, dtype, device)
 
         def fill() -> torch.Tensor:  # the local sums, while the check's round trip travels
             flat = presence_buffer(total, dtype, device, self._cache, wire)

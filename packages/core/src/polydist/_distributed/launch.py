@@ -387,6 +387,15 @@ def launch(
     output = _Output(lock)
     procs: list[subprocess.Popen[bytes]] = []
     result = LaunchResult(exit_code=0)
+    # Workers in the order they exited, each seen by a thread of its own: a worker whose
+    # peer died fails moments later, often within one poll, and the failure is the
+    # first one's (`failed_worker`).
+    exited: list[int] = []
+
+    def reap(i: int, proc: subprocess.Popen[bytes]) -> None:
+        proc.wait()
+        with lock:
+            exited.append(i)
 
     def note(text: str) -> None:
         with lock:
@@ -409,14 +418,19 @@ def launch(
                         start_new_session=True,
                     )
                     procs.append(proc)
+                threading.Thread(
+                    target=reap, args=(i, proc), name=f"polydist-launch-reap-{i}", daemon=True
+                ).start()
                 assert proc.stdout is not None
                 assert proc.stderr is not None
                 output.follow(proc.stdout, f"[worker {i}]", out)
                 output.follow(proc.stderr, f"[worker {i}]", err)
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
-                codes = [p.poll() for p in procs]
-                failed = next((i for i, c in enumerate(codes) if c is not None and c != 0), None)
+                with lock:
+                    order = list(exited)
+                codes = [p.returncode if i in order else None for i, p in enumerate(procs)]
+                failed = next((i for i in order if codes[i] != 0), None)
                 if failed is not None:
                     code = codes[failed]
                     assert code is not None
