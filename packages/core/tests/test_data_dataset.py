@@ -189,7 +189,7 @@ def test_from_files_and_file_sources(tmp_path: Path) -> None:
     assert dataset.element_spec == TensorSpec((None,), np.int64)
     assert dataset.batch(2).prefetch(1)._file_sources() == (str(path),)
     assert Dataset.range(3).batch(2)._file_sources() is None
-    assert Dataset.from_files(path, read_rows).unbatch()._file_sources() is None
+    assert Dataset.from_files(path, read_rows).unbatch()._file_sources() == (str(path),)
 
 
 # ---------------------------------------------------------- transformations

@@ -503,12 +503,21 @@ def test_file_policy_with_one_worker_changes_nothing() -> None:
     assert got == [[[0, 1], [2], [3]], [[4, 5], [6], [7]], [[8, 9], [], []]]
 
 
-def test_unbatch_blocks_file_sharding(tmp_path: Path) -> None:
-    path = write_numbers(tmp_path / "n.txt", range(4))
-    dataset = Dataset.from_files([path], read_ints).batch(2).unbatch()
+def test_unbatch_passes_file_sharding(tmp_path: Path) -> None:
+    # UnbatchDataset is in kPassThroughOps of TF's auto_shard.cc: each worker reads its files.
+    paths = [write_numbers(tmp_path / f"{k}.txt", range(10 * k, 10 * k + 4)) for k in range(2)]
+    dataset = Dataset.from_files(paths, read_ints).batch(3).unbatch().batch(2)
+    assert dataset._file_sources() == tuple(paths)
+    for worker, want in enumerate([[[0, 1], [2, 3]], [[10, 11], [12, 13]]]):
+        result = auto_shard_dataset(dataset, 2, worker)
+        assert result.policy == AutoShardPolicy.FILE
+        assert lists(list(result.dataset)) == want
+
+
+def test_a_source_that_is_no_file_blocks_file_sharding() -> None:
+    dataset = Dataset.range(4).batch(2).unbatch()
     assert dataset._file_sources() is None
-    assert auto_shard_dataset(dataset, 1, 0).policy == AutoShardPolicy.DATA
-    with pytest.warns(AutoShardWarning, match="not a dataset: UnbatchDataset"):
+    with pytest.warns(AutoShardWarning, match="unshardable source dataset: RangeDataset"):
         assert auto_shard_dataset(dataset, 2, 0).policy == AutoShardPolicy.DATA
 
 

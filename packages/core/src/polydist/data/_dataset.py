@@ -209,9 +209,9 @@ class Dataset(abc.ABC):
         return False
 
     def _find_file_source(self) -> _FileDataset | str:
+        """The file source FILE sharding would shard, or TF's reason why there is none."""
         from polydist.data._sources import _FileDataset  # the sources subclass Dataset
 
-        """The file source FILE sharding would shard, or TF's reason why there is none."""
         node: Dataset = self
         while not isinstance(node, _FileDataset):
             if node._passes_file_sharding:
@@ -495,6 +495,7 @@ class _BatchDataset(Dataset):
 
 class _UnbatchDataset(Dataset):
     _op_name = "UnbatchDataset"
+    _passes_file_sharding = True  # in kPassThroughOps of newer auto_shard.cc
 
     def _iterate(self) -> Iterator[Nest]:
         for element in self._inputs[0]:

@@ -420,8 +420,8 @@ def auto_shard_dataset(
       RebatchDatasetV2 there becomes ``RebatchDataset(num_replicas_in_sync)``.
     - HINT: every ``shard(SHARD_HINT, SHARD_HINT)`` becomes ``shard(W, w)``.
     - AUTO: FILE when the walk from the end through pass-through ops (batch,
-      map, filter, shard, repeat, shuffle, skip, take, prefetch, options,
-      rebatch) reaches a file source with at least W files; otherwise DATA, with
+      unbatch, map, filter, shard, repeat, shuffle, skip, take, prefetch,
+      options, rebatch) reaches a file source with at least W files; otherwise DATA, with
       an AutoShardWarning when there are several workers. TF logs the fallback
       for one worker too, where DATA sharding keeps every element: polydist
       does not warn then, since there is nothing the user could shard.
