@@ -273,6 +273,53 @@ def test_scheduler_and_clipping_reach_every_replica() -> None:
         torch.testing.assert_close(p.detach(), q, rtol=RTOL, atol=ATOL)
 
 
+def test_clipping_before_the_sum_warns_once_and_keeps_tf_s_result() -> None:
+    """DDP users clip after backward(), where DDP's gradients are already summed; here
+    (and in TF) the clip then sees one replica's gradients: a LocalGradientWarning, once,
+    and the step is TF's (each replica's clipped gradients summed)."""
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        for m in model.replicas:
+            m.weight.copy_(torch.tensor([[1.0, 1.0]]))
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    # Replica 0's gradient is (3, 4) (norm 5), replica 1's (0, 0.5) (norm 0.5).
+    inputs = strategy.experimental_distribute_values_from_function(
+        lambda c: (
+            torch.tensor([[3.0, 4.0]])
+            if c.replica_id_in_sync_group == 0
+            else torch.tensor([[0.0, 0.5]])
+        )
+    )
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clips (3, 4) to (0.6, 0.8)
+        opt.step()
+        opt.zero_grad()
+
+    with pytest.warns(polydist_torch.LocalGradientWarning, match="clip_grad_norm_") as caught:
+        strategy.run(step, args=(inputs,))
+    assert len(caught) == 1 and caught[0].filename == __file__
+    # TF's result: the clipped (0.6, 0.8) plus the unclipped (0, 0.5), not the global
+    # sum (3, 4.5) clipped to norm 1.
+    for m in model.replicas:
+        torch.testing.assert_close(m.weight.detach(), torch.tensor([[0.4, -0.3]]))
+    strategy.run(step, args=(inputs,))  # once per optimizer: no second warning
+
+    def fixed(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        opt.all_reduce_gradients()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    fresh = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    opt = fresh
+    strategy.run(fixed, args=(inputs,))  # no warning (filterwarnings = error)
+
+
 def test_layers_frozen_through_replica_zero_stay_frozen_on_every_replica() -> None:
     """`for p in model.module[0].parameters(): p.requires_grad = False` outside run
     freezes replica 0's copy: the other replicas used to train the layer, and their

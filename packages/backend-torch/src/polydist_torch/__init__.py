@@ -28,6 +28,7 @@ from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS as MAX_VIRTUAL_CPU_
 from polydist_torch._devices import torch_device as torch_device
 from polydist_torch._modules import DistributedModule as DistributedModule
 from polydist_torch._modules import DistributedOptimizer as DistributedOptimizer
+from polydist_torch._modules import LocalGradientWarning as LocalGradientWarning
 from polydist_torch._modules import distribute_module as distribute_module
 from polydist_torch._modules import distribute_optimizer as distribute_optimizer
 from polydist_torch._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -66,6 +67,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DistributedModule",
     "DistributedOptimizer",
+    "LocalGradientWarning",
     "MAX_VIRTUAL_CPU_REPLICAS",
     "MultiWorkerMirroredStrategy",
     "Reduction",

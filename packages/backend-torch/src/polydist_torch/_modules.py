@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -51,6 +52,23 @@ __all__ = [
 # Replica 0's parameters -> their DistributedModule (weakly both ways: tensors hash by
 # identity here, and the module owns the parameters).
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class LocalGradientWarning(UserWarning):
+    """A `DistributedOptimizer`'s gradients were changed in place (clipped, unscaled)
+    after backward and before they were summed across replicas: that code saw one
+    replica's gradients, not the sum. Call ``all_reduce_gradients()`` first."""
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside polydist_torch and torch."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
+        "polydist_torch",
+        "torch",
+    ):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
 
 
 def _owner(p: torch.Tensor, replica: int = 0) -> DistributedModule | None:
@@ -621,6 +639,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._bucket: _GradientBucket | None = None
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._sentinels: list[torch.Tensor | None] = []
+        self._accumulated: dict[int, tuple[int, int]] = {}
+        self._warned_local = False
+        if not self._alone:
+            self._watch_gradients()
+
+    def _watch_gradients(self) -> None:
+        """One parameter per replica (its first) records its gradient's version after
+        each backward accumulates into it, so that the sum can tell a gradient changed
+        in place after backward (a clip): one hook per replica per step, not per
+        parameter. The hooks go with this optimizer."""
+        accumulated = self._accumulated  # the hooks hold this, not the optimizer
+
+        def record(r: int) -> Callable[[torch.Tensor], None]:
+            def hook(p: torch.Tensor) -> None:
+                if p.grad is not None:
+                    accumulated[r] = (id(p.grad), p.grad._version)
+
+            return hook
+
+        for r in range(len(self._replicas)):
+            params = [p for p in self._params(r) if p.requires_grad]
+            self._sentinels.append(params[0] if params else None)
+            if params:
+                handle = params[0].register_post_accumulate_grad_hook(record(r))  # type: ignore[no-untyped-call]
+                weakref.finalize(self, handle.remove)
+
+    def _warn_if_changed_after_backward(self, r: int) -> None:
+        """Before summing replica ``r``'s gradients: warns (once) if they were changed
+        in place since backward, e.g. clipped: that saw this replica's own gradients."""
+        sentinel = self._sentinels[r] if r < len(self._sentinels) else None
+        grad = sentinel.grad if sentinel is not None else None
+        seen = self._accumulated.get(r)
+        if self._warned_local or grad is None or seen is None:
+            return
+        if seen != (id(grad), grad._version):
+            self._warned_local = True
+            warnings.warn(
+                "DistributedOptimizer: the gradients changed after backward() and before "
+                "they were summed across replicas (by clip_grad_norm_, GradScaler.unscale_ "
+                "or an in-place edit of p.grad), so that code saw this replica's own "
+                f"gradients, not the sum over the {self._strategy.num_replicas_in_sync} "
+                "replicas (DDP sums them during backward; TF sums them in "
+                "apply_gradients, after a clip in the replica function, as here). To clip "
+                "the global gradients, call optimizer.all_reduce_gradients() first, then "
+                "clip, then optimizer.step().",
+                LocalGradientWarning,
+                stacklevel=_user_stacklevel(),
+            )
 
     # The wrapped optimizer's, so schedulers and hyperparameter edits reach it.
     @property
@@ -722,6 +789,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # One replica in sync: the sum is its own gradients, so nothing is copied.
             self._reduced[r] = True
             return
+        self._warn_if_changed_after_backward(r)
         params = self._params(r)
         if not params:
             self._reduced[r] = True
