@@ -44,7 +44,7 @@ from polydist._base.arrays import is_floating
 from polydist._base.devices import HOST_DEVICE, DeviceSpec
 from polydist._valuetypes.values import DistributedValues, PerReplica
 from polydist.backend._contract import SupportsPlacedDtype, SupportsPlacePerReplica, features
-from polydist.data import _sources
+from polydist.data import _iterator, _sources
 from polydist.data._dataset import INFINITE_CARDINALITY, Dataset
 from polydist.data._elements import _SpecInferenceError
 from polydist.data._input import (
@@ -299,6 +299,7 @@ class DistributedDataset:
         cardinality: int,
         passes: tuple[_IterableDataset, ...] = (),
         pads: bool = False,
+        made_by: str = "experimental_distribute_dataset",
     ) -> None:
         # Built only by this module's functions; the arguments are internal.
         self._strategy = strategy
@@ -319,6 +320,7 @@ class DistributedDataset:
         # Whether a replica may get an empty batch while another gets data, whatever
         # the pipelines' specs say (distribute_datasets_from_function's round-robin).
         self._pads = pads
+        self._made_by = made_by  # which strategy method, for an iterator checkpoint's check
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self)
@@ -387,18 +389,22 @@ class DistributedDataset:
                 return state
             state = reduce_fn(state, optional.get_value())
 
-    def _new_values(self) -> Iterator[tuple[Any, tuple[int, ...]]]:
-        """Each step's value, with the replicas that got an empty batch in it."""
+    def _new_values(self, skip: int = 0) -> Iterator[tuple[Any, tuple[int, ...]]]:
+        """Each step's value, with the replicas that got an empty batch in it; the first
+        ``skip`` steps are read now and dropped unplaced (an iterator's restore)."""
         legacy = _legacy_split_input(self._pipelines, self._keep, len(self._devices))
         if legacy is not None:
-            return self._split_elements(legacy)
+            elements = iter(legacy)
+            _iterator.skip(elements, skip, "a DistributedIterator")
+            return self._split_elements(elements)
         steps = per_replica_batches_from_datasets(self._pipelines, self._replicas_per_pipeline)
+        _iterator.skip(steps, skip, "a DistributedIterator")
         keep = self._keep
         if keep is not None:
             steps = ([step[r] for r in keep] for step in steps)
         return map(self._to_value, steps)
 
-    def _split_elements(self, source: Dataset) -> Iterator[tuple[Any, tuple[int, ...]]]:
+    def _split_elements(self, source: Iterable[Nest]) -> Iterator[tuple[Any, tuple[int, ...]]]:
         # The fast path of one worker's legacy split: each element is one step,
         # its replica r getting legacy_rebatch_slices' slice r of every
         # component; no replica ever lacks a batch, so no dummies are needed. It
@@ -493,20 +499,32 @@ class DistributedIterator:
     Up to ``InputOptions.experimental_per_replica_buffer_size`` steps (default
     1) are read and placed on the devices ahead of the one returned; an error
     raised while reading ahead is raised when its step is reached.
+
+    ``polydist.train.Checkpoint(iterator=iterator)`` saves its position (the
+    steps handed out, not those read ahead); restore puts a fresh iterator of
+    the same distributed dataset there, by reading the input again up to it
+    (see ``polydist.data._iterator``).
     """
 
     def __init__(self, dataset: DistributedDataset) -> None:
         self._dataset = dataset
         self._strategy = dataset._strategy
-        # iter() of a plain re-iterable happens here, as iter(loader) would: a
-        # DataLoader draws its seed from torch's global RNG at that point.
-        self._begun: dict[int, collections.deque[Iterator[Nest]]] = {}
-        for source in dataset._passes:
-            self._begun.setdefault(id(source), collections.deque()).append(source.begin_pass())
+        # The shuffles' states before this iteration began a pass of them.
+        self._start = _iterator.shuffle_states(dataset._pipelines)
+        self._position = 0  # steps handed out
+        self._begun = self._begin_passes()
         self._values: Iterator[tuple[Any, tuple[int, ...]]] | None = dataset._new_values()
         self._buffer: collections.deque[tuple[Any, tuple[int, ...]] | _Failure] = (
             collections.deque()
         )
+
+    def _begin_passes(self) -> dict[int, collections.deque[Iterator[Nest]]]:
+        # iter() of a plain re-iterable happens here, as iter(loader) would: a
+        # DataLoader draws its seed from torch's global RNG at that point.
+        begun: dict[int, collections.deque[Iterator[Nest]]] = {}
+        for source in self._dataset._passes:
+            begun.setdefault(id(source), collections.deque()).append(source.begin_pass())
+        return begun
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -545,6 +563,7 @@ class DistributedIterator:
         if isinstance(entry, _Failure):
             raise entry.error
         value, empty = entry
+        self._position += 1
         _EMPTY_REPLICAS[self._strategy] = empty
         return value
 
@@ -560,6 +579,53 @@ class DistributedIterator:
             self._values = None
         if entry is not None:
             self._buffer.append(entry)
+
+
+    # -- polydist.train.Checkpoint (the protocol of polydist.data._iterator) ---------------------
+    def _identity(self) -> dict[str, Any]:
+        dataset = self._dataset
+        layout = dataset._layout
+        return {
+            "version": _iterator.STATE_VERSION,
+            "kind": f"iter(strategy.{dataset._made_by}(...))",
+            "layout": (
+                f"{layout.num_workers} worker(s) x {layout.replicas_per_worker} replica(s), "
+                f"{len(dataset._pipelines)} pipeline(s) of {dataset._replicas_per_pipeline} "
+                "replica(s) each"
+            ),
+            "spec": _iterator.spec_text(dataset._pipelines[0]),
+            "pipelines": [_iterator.fingerprint(p) for p in dataset._pipelines],
+            "shuffles": self._start,
+        }
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        bad = _iterator.unreplayable(self._dataset._pipelines)
+        if bad is not None:
+            raise _iterator.unreplayable_error(bad, "a DistributedIterator")
+        return {**self._identity(), "position": self._position}
+
+    def _checkpoint_problems(self, state: Mapping[str, Any]) -> list[str]:
+        return _iterator.problems(state, self._identity(), "a DistributedIterator")
+
+    def _checkpoint_restore(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        pipelines = self._dataset._pipelines
+        now = _iterator.shuffle_states(pipelines)
+        start: list[list[int]] = [list(s) for s in state["shuffles"]]
+        position = int(state["position"])
+        _iterator.set_shuffle_states(pipelines, start)
+        try:
+            begun = self._begin_passes()
+            with _reading_begun_passes(begun):
+                values = self._dataset._new_values(skip=position)
+        except BaseException:
+            _iterator.set_shuffle_states(pipelines, now)
+            raise
+
+        def commit() -> None:
+            self._start, self._position, self._begun, self._values = start, position, begun, values
+            self._buffer.clear()
+
+        return commit
 
 
 @contextlib.contextmanager
@@ -757,6 +823,7 @@ def distribute_datasets_from_function(
         own.cardinality(),  # TF: its first (this worker's) dataset's
         tuple(p for p in pipelines if isinstance(p, _IterableDataset)),
         pads=layout.num_replicas > 1,
+        made_by="distribute_datasets_from_function",
     )
 
 

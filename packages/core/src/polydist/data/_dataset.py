@@ -34,6 +34,7 @@ from polydist.data._elements import (
     _SpecInferenceError,
     _stack,
 )
+from polydist.data._iterator import OwnedIterator
 from polydist.data._nest import Nest, flatten, map_structure, to_array, unflatten
 from polydist.data._options import Options
 from polydist.data._spec import TensorSpec, common_spec, spec_of, with_unknown_dims
@@ -62,6 +63,10 @@ _UNSET: Final = object()
 _END: Final = object()
 
 
+def _numpy_scalars(element: Nest) -> Nest:
+    return map_structure(lambda a: a[()] if a.ndim == 0 else a, element)
+
+
 class Dataset(abc.ABC):
     """A lazy, re-iterable pipeline of elements, with ``tf.data.Dataset``'s API.
 
@@ -79,6 +84,8 @@ class Dataset(abc.ABC):
     _passes_file_sharding: ClassVar[bool] = False
     # In kPassThroughOps of kernels/data/experimental/compute_batch_size_op.cc.
     _passes_batch_size: ClassVar[bool] = False
+    # Whether reading it again gives the same elements (False: a one-shot iterator).
+    _replayable: ClassVar[bool] = True
 
     def __init__(self, *inputs: Dataset) -> None:
         self._inputs: tuple[Dataset, ...] = inputs
@@ -100,15 +107,21 @@ class Dataset(abc.ABC):
     def _own_options(self) -> Options | None:
         return None
 
+    def _describe(self) -> str:
+        """This op and the arguments that decide its elements, for an iterator
+        checkpoint's check that it is restored into the same pipeline; "" for an op
+        that does not change the elements (prefetch, options)."""
+        return self._op_name
+
     # -------------------------------------------------------------- iteration
 
-    def __iter__(self) -> Iterator[Nest]:
-        return self._iterate()
+    def __iter__(self) -> OwnedIterator:
+        """A fresh iterator over the elements; ``polydist.train.Checkpoint`` can save it."""
+        return OwnedIterator(self)
 
-    def as_numpy_iterator(self) -> Iterator[Nest]:
+    def as_numpy_iterator(self) -> OwnedIterator:
         """Iterate with 0-d arrays turned into NumPy scalars, like TF's ``tensor.numpy()``."""
-        for element in self:
-            yield map_structure(lambda a: a[()] if a.ndim == 0 else a, element)
+        return OwnedIterator(self, _numpy_scalars)
 
     def __bool__(self) -> bool:
         return True  # never falls back to __len__, which may raise
@@ -421,6 +434,9 @@ class _TensorSliceDataset(Dataset):
     def _compute_element_spec(self) -> Nest:
         return unflatten(self._treespec, [TensorSpec(a.shape[1:], a.dtype) for a in self._arrays])
 
+    def _describe(self) -> str:
+        return f"{self._op_name}({self._compute_cardinality()} x {self.element_spec!r})"
+
 
 class _TensorDataset(Dataset):
     _op_name = "TensorDataset"
@@ -438,6 +454,9 @@ class _TensorDataset(Dataset):
 
     def _compute_element_spec(self) -> Nest:
         return spec_of(self._element)
+
+    def _describe(self) -> str:
+        return f"{self._op_name}({self.element_spec!r})"
 
 
 class _RangeDataset(Dataset):
@@ -459,6 +478,10 @@ class _RangeDataset(Dataset):
     def _compute_element_spec(self) -> Nest:
         return TensorSpec((), self._dtype)
 
+    def _describe(self) -> str:
+        r = self._range
+        return f"{self._op_name}({r.start}, {r.stop}, {r.step}, {self._dtype})"
+
 
 class _BatchDataset(Dataset):
     _op_name = "BatchDataset"
@@ -469,9 +492,12 @@ class _BatchDataset(Dataset):
         self.batch_size = batch_size
         self.drop_remainder = drop_remainder
 
+    def _describe(self) -> str:
+        return f"{self._op_name}(batch_size={self.batch_size}, drop_remainder={self.drop_remainder})"
+
     def _iterate(self) -> Iterator[Nest]:
         pending: list[Nest] = []
-        for element in self._inputs[0]:
+        for element in self._inputs[0]._iterate():
             pending.append(element)
             if len(pending) == self.batch_size:
                 yield _stack(pending)
@@ -498,7 +524,7 @@ class _UnbatchDataset(Dataset):
     _passes_file_sharding = True  # in kPassThroughOps of newer auto_shard.cc
 
     def _iterate(self) -> Iterator[Nest]:
-        for element in self._inputs[0]:
+        for element in self._inputs[0]._iterate():
             leaves, treespec = flatten(element)
             for i in builtins.range(_check_batched(leaves)):
                 yield unflatten(treespec, [leaf[i, ...] for leaf in leaves])
@@ -534,6 +560,9 @@ class _ShardDataset(Dataset):
         self.num_shards = num_shards
         self.index = index
 
+    def _describe(self) -> str:
+        return f"{self._op_name}(num_shards={self.num_shards}, index={self.index})"
+
     def _iterate(self) -> Iterator[Nest]:
         if self.num_shards == SHARD_HINT:
             raise ValueError(
@@ -541,7 +570,7 @@ class _ShardDataset(Dataset):
                 "distributing the dataset under the HINT auto-shard policy, which replaces "
                 "it with the worker count and index."
             )
-        return itertools.islice(self._inputs[0], self.index, None, self.num_shards)
+        return itertools.islice(self._inputs[0]._iterate(), self.index, None, self.num_shards)
 
     def _compute_cardinality(self) -> int:
         n = self._inputs[0].cardinality()
@@ -561,14 +590,17 @@ class _RepeatDataset(Dataset):
         super().__init__(source)
         self._count = count
 
+    def _describe(self) -> str:
+        return f"{self._op_name}({self._count})"
+
     def _iterate(self) -> Iterator[Nest]:
         if self._count >= 0:
             for _ in builtins.range(self._count):
-                yield from self._inputs[0]
+                yield from self._inputs[0]._iterate()
             return
         while True:
             produced = False
-            for element in self._inputs[0]:
+            for element in self._inputs[0]._iterate():
                 produced = True
                 yield element
             if not produced:  # an empty input repeated forever is empty, as in TF
@@ -600,7 +632,7 @@ class _MapDataset(Dataset):
         return map_structure(to_array, result)
 
     def _iterate(self) -> Iterator[Nest]:
-        for element in self._inputs[0]:
+        for element in self._inputs[0]._iterate():
             yield self._apply(element)
 
     def _compute_cardinality(self) -> int:
@@ -618,7 +650,7 @@ class _MapDataset(Dataset):
             merged = None
         if merged is not None:
             return merged
-        element = next(iter(self._inputs[0]), _END)
+        element = next(self._inputs[0]._iterate(), _END)
         if element is _END:
             raise _SpecInferenceError(
                 "Cannot infer the element_spec of map(): the function fails on synthetic "
@@ -637,7 +669,7 @@ class _FilterDataset(Dataset):
         self._predicate = predicate
 
     def _iterate(self) -> Iterator[Nest]:
-        for element in self._inputs[0]:
+        for element in self._inputs[0]._iterate():
             if _as_bool(_call(self._predicate, element)):
                 yield element
 
@@ -654,9 +686,12 @@ class _TakeDataset(Dataset):
         super().__init__(source)
         self._count = count
 
+    def _describe(self) -> str:
+        return f"{self._op_name}({self._count})"
+
     def _iterate(self) -> Iterator[Nest]:
         stop = None if self._count < 0 else self._count
-        return itertools.islice(self._inputs[0], stop)
+        return itertools.islice(self._inputs[0]._iterate(), stop)
 
     def _compute_cardinality(self) -> int:
         n = self._inputs[0].cardinality()
@@ -676,10 +711,13 @@ class _SkipDataset(Dataset):
         super().__init__(source)
         self._count = count
 
+    def _describe(self) -> str:
+        return f"{self._op_name}({self._count})"
+
     def _iterate(self) -> Iterator[Nest]:
         if self._count < 0:
             return iter(())
-        return itertools.islice(self._inputs[0], self._count, None)
+        return itertools.islice(self._inputs[0]._iterate(), self._count, None)
 
     def _compute_cardinality(self) -> int:
         n = self._inputs[0].cardinality()
@@ -705,6 +743,15 @@ class _ShuffleDataset(Dataset):
         self._reshuffle = reshuffle
         self._epoch = 0
 
+    def _describe(self) -> str:
+        # An unseeded shuffle's drawn seed is not part of the pipeline: restore adopts
+        # the saved one (see polydist.data._iterator).
+        seed = self._seed if self._seeded else None
+        return (
+            f"{self._op_name}(buffer_size={self._buffer_size}, seed={seed}, "
+            f"reshuffle_each_iteration={self._reshuffle})"
+        )
+
     def _iterate(self) -> Iterator[Nest]:
         epoch = self._epoch
         if self._reshuffle:
@@ -712,7 +759,7 @@ class _ShuffleDataset(Dataset):
         return self._sample(np.random.default_rng([self._seed, epoch]))
 
     def _sample(self, rng: np.random.Generator) -> Iterator[Nest]:
-        upstream = iter(self._inputs[0])
+        upstream = self._inputs[0]._iterate()
         buffer = list(itertools.islice(upstream, self._buffer_size))
         while buffer:
             slot = int(rng.integers(len(buffer)))
@@ -738,9 +785,12 @@ class _PrefetchDataset(Dataset):
         super().__init__(source)
         self._buffer_size = buffer_size
 
+    def _describe(self) -> str:
+        return ""  # reads ahead, the elements are the same
+
     def _iterate(self) -> Iterator[Nest]:
         ahead = 1 if self._buffer_size == AUTOTUNE else self._buffer_size
-        upstream = iter(self._inputs[0])
+        upstream = self._inputs[0]._iterate()
         buffer = collections.deque(itertools.islice(upstream, ahead))
         if not ahead:
             yield from upstream
@@ -768,8 +818,11 @@ class _OptionsDataset(Dataset):
     def _own_options(self) -> Options:
         return self._options
 
+    def _describe(self) -> str:
+        return ""
+
     def _iterate(self) -> Iterator[Nest]:
-        return iter(self._inputs[0])
+        return self._inputs[0]._iterate()
 
     def _compute_cardinality(self) -> int:
         return self._inputs[0].cardinality()

@@ -296,6 +296,9 @@ class _LegacyRebatchDataset(Dataset):
         super().__init__(source)
         self.num_replicas = num_replicas
 
+    def _describe(self) -> str:
+        return f"{self._op_name}(num_replicas={self.num_replicas})"
+
     def _iterate(self) -> Iterator[Nest]:
         return legacy_rebatch(self._inputs[0], self.num_replicas)
 
@@ -328,6 +331,9 @@ class _RebatchV2Dataset(Dataset):
     def __init__(self, source: Dataset, batch_sizes: list[int]) -> None:
         super().__init__(source)
         self.batch_sizes = batch_sizes
+
+    def _describe(self) -> str:
+        return f"{self._op_name}(batch_sizes={list(self.batch_sizes)})"
 
     def _iterate(self) -> Iterator[Nest]:
         return rebatch_v2(self._inputs[0], self.batch_sizes)

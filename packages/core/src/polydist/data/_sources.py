@@ -93,6 +93,9 @@ class _FileDataset(_ProducedDataset):
     def filenames(self) -> tuple[str, ...]:
         return self._filenames
 
+    def _describe(self) -> str:
+        return f"{self._op_name}({list(self._filenames)})"
+
     def _produce(self) -> Iterable[Nest]:
         for filename in self._filenames:
             yield from self._reader(filename)
@@ -125,6 +128,7 @@ class _IteratorDataset(_ProducedDataset):
 
     _op_name = "GeneratorDataset"
     _producer = "`iterator`"
+    _replayable = False
 
     def __init__(self, iterator: Iterator[Nest]) -> None:
         super().__init__(None)

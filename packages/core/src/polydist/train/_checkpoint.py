@@ -19,6 +19,8 @@ What a ``Checkpoint`` holds, found by walking its objects (see :func:`_walk`):
   manifest as JSON;
 * an object with a ``variables`` attribute, a sequence of Variables (Keras-style layers
   and metrics, ``polydist.metrics``);
+* an input iterator (``iter(dataset)``, ``iter(distributed_dataset)``): its position,
+  stored in the manifest as JSON (see :mod:`polydist.data._iterator`);
 * dicts, lists, tuples and namedtuples of the above.
 """
 
@@ -55,9 +57,11 @@ from polydist.train._objects import (
     _decode,
     _encode,
     _framework,
+    _is_json_trackable,
     _is_namedtuple,
     _is_tensor,
     _join,
+    _JsonSlot,
     _leaf_spec,
     _leaf_to_numpy,
     _nest_leaves,
@@ -111,6 +115,9 @@ def _walk(obj: Any, path: str, out: list[_Slot], seen: dict[int, str], where: st
     if reg is not None:
         out.append(_NestSlot(path, obj, reg))
         return
+    if _is_json_trackable(obj):
+        out.append(_JsonSlot(path, obj))
+        return
     if callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     ):
@@ -145,7 +152,8 @@ def _walk(obj: Any, path: str, out: list[_Slot], seen: dict[int, str], where: st
         f"{type(obj).__module__}.{type(obj).__qualname__}: {obj!r:.80}. A Checkpoint holds "
         "polydist Variables, nested Checkpoints, objects with state_dict()/"
         "load_state_dict() (torch modules and optimizers), objects with a `variables` "
-        "sequence (layers, metrics), classes registered with "
+        "sequence (layers, metrics), input iterators (iter(dataset), "
+        "iter(distributed_dataset)), classes registered with "
         "polydist.train.register_checkpointable, and dicts/lists/tuples of these."
     )
 
@@ -349,6 +357,7 @@ class Checkpoint:
         objects: dict[str, JSONValue] = {}
         states: dict[str, JSONValue] = {}
         nests: dict[str, JSONValue] = {}
+        jsons: dict[str, JSONValue] = {}
         strategies: list[Any] = []
         for slot in self._slots(counter=True):
             if isinstance(slot, _VarSlot) and slot.var is self._save_counter:
@@ -368,6 +377,11 @@ class Checkpoint:
                 for key in found:
                     objects[key] = {"describe": f"state_dict of {type(slot.obj).__name__}"}
                 arrays.update(found)
+            elif isinstance(slot, _JsonSlot):
+                try:
+                    jsons[slot.path] = slot.obj._checkpoint_state()
+                except ValueError as error:
+                    raise ValueError(f"{error} (saving {slot.path or '(root)'!r})") from None
             else:
                 leaves: list[tuple[str, Any]] = []
                 _nest_leaves(slot.reg.to_nest(slot.obj), slot.path, leaves)
@@ -381,7 +395,7 @@ class Checkpoint:
         meta = {
             _VARIABLES: variables,
             _OBJECTS: objects,
-            _META: {"format": 1, "state_dicts": states, "nests": nests},
+            _META: {"format": 1, "state_dicts": states, "nests": nests, "json_states": jsons},
         }
         return arrays, meta, strategies
 
@@ -446,6 +460,9 @@ class Checkpoint:
         meta = manifest.metadata.get(_META)
         found = meta.get("state_dicts") if isinstance(meta, dict) else None
         states: dict[str, JSONValue] = found if isinstance(found, dict) else {}
+        found_json = meta.get("json_states") if isinstance(meta, dict) else None
+        jsons: dict[str, JSONValue] = found_json if isinstance(found_json, dict) else {}
+        json_matched: dict[str, None] = {}
         consumed: dict[str, None] = {}
         unmatched: list[str] = []
         problems: list[str] = []
@@ -471,6 +488,15 @@ class Checkpoint:
                 _check_state(slot, doc, keys, manifest, problems)
                 consumed.update(dict.fromkeys(keys))
                 plan.append((slot, doc))
+            elif isinstance(slot, _JsonSlot):
+                saved = jsons.get(slot.path)
+                if saved is None:
+                    unmatched.append(slot.path or "(root)")
+                    continue
+                found_problems = slot.obj._checkpoint_problems(saved)
+                problems.extend(f"{slot.path or '(root)'!r}: {p}" for p in found_problems)
+                json_matched[slot.path] = None
+                plan.append((slot, saved))
             else:
                 leaves: list[tuple[str, Any]] = []
                 nest = slot.reg.to_nest(slot.obj)
@@ -494,7 +520,8 @@ class Checkpoint:
                 "optimizer the checkpoint was saved from)."
             )
         stored = read_arrays(manifest.path, list(consumed))
-        # Convert everything before writing anything, so that a failure changes nothing.
+        # Convert everything before writing anything, so that a failure changes nothing
+        # (an iterator replays its input here).
         actions = [
             (isinstance(slot, _VarSlot), _prepare(slot, what, stored)) for slot, what in plan
         ]
@@ -510,7 +537,8 @@ class Checkpoint:
             if not any(isinstance(s, _StateSlot) and s.path == p for s in slots)
             and p not in unconsumed
         ]
-        matched = sum(1 for k in consumed if k != _SAVE_COUNTER)
+        unconsumed += [p or "(root)" for p in jsons if p not in json_matched]
+        matched = sum(1 for k in consumed if k != _SAVE_COUNTER) + len(json_matched)
         return CheckpointLoadStatus(str(manifest.path), unconsumed, unmatched, matched)
 
 
@@ -610,6 +638,9 @@ def _prepare(slot: _Slot, what: Any, stored: Mapping[str, np.ndarray]) -> Callab
         if slot.key == _SAVE_COUNTER and slot.var.name.startswith(_SAVE_COUNTER):
             value = value.astype(dtype_name(slot.var.dtype))  # int64 on disk, see _gather
         return _assign_later(slot.var, value)
+    if isinstance(slot, _JsonSlot):
+        commit: Callable[[], None] = slot.obj._checkpoint_restore(what)
+        return commit
     if isinstance(slot, _StateSlot):
         framework = _framework(slot.obj) if _tensor_paths_in(what) else None
         state = _decode(what, stored, framework)

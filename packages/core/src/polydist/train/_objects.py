@@ -119,7 +119,28 @@ class _NestSlot:
     reg: _Registration
 
 
-_Slot = _VarSlot | _StateSlot | _NestSlot
+@dataclasses.dataclass
+class _JsonSlot:
+    """An object whose state is JSON (an input iterator's position) at ``path``.
+
+    Duck-typed: ``_checkpoint_state()`` gives the state (ValueError if it cannot be
+    saved), ``_checkpoint_problems(state)`` why a saved state does not fit, and
+    ``_checkpoint_restore(state)`` prepares the restore (it may raise; nothing has
+    changed then) and returns what commits it. See ``polydist.data._iterator``.
+    """
+
+    path: str
+    obj: Any
+
+
+def _is_json_trackable(obj: object) -> bool:
+    return all(
+        callable(getattr(obj, name, None))
+        for name in ("_checkpoint_state", "_checkpoint_problems", "_checkpoint_restore")
+    )
+
+
+_Slot = _VarSlot | _StateSlot | _NestSlot | _JsonSlot
 
 
 def _pytree_node(x: Any) -> Any:
