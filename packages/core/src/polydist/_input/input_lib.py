@@ -513,6 +513,7 @@ class DistributedIterator:
         self._start = _iterator.shuffle_states(dataset._pipelines)
         self._position = 0  # steps handed out
         self._begun = self._begin_passes()
+        self._read_any = False  # whether a read took from the passes begun
         self._values: Iterator[tuple[Any, tuple[int, ...]]] | None = dataset._new_values()
         self._buffer: collections.deque[tuple[Any, tuple[int, ...]] | _Failure] = (
             collections.deque()
@@ -569,6 +570,7 @@ class DistributedIterator:
 
     def _read_step(self) -> None:
         assert self._values is not None
+        self._read_any = True
         entry: tuple[Any, tuple[int, ...]] | _Failure | None
         try:
             with _reading_begun_passes(self._begun):
@@ -579,7 +581,6 @@ class DistributedIterator:
             self._values = None
         if entry is not None:
             self._buffer.append(entry)
-
 
     # -- polydist.train.Checkpoint (the protocol of polydist.data._iterator) ---------------------
     def _identity(self) -> dict[str, Any]:
@@ -613,8 +614,11 @@ class DistributedIterator:
         start: list[list[int]] = [list(s) for s in state["shuffles"]]
         position = int(state["position"])
         _iterator.set_shuffle_states(pipelines, start)
+        # A fresh iterator's passes are the ones to replay: a DataLoader drew its
+        # permutation for them (its iter()), as in the saved run's iterator.
+        begun = self._begun if not self._read_any else self._begin_passes()
+        self._read_any = True  # the replay reads them
         try:
-            begun = self._begin_passes()
             with _reading_begun_passes(begun):
                 values = self._dataset._new_values(skip=position)
         except BaseException:

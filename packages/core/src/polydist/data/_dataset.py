@@ -493,7 +493,8 @@ class _BatchDataset(Dataset):
         self.drop_remainder = drop_remainder
 
     def _describe(self) -> str:
-        return f"{self._op_name}(batch_size={self.batch_size}, drop_remainder={self.drop_remainder})"
+        drop = self.drop_remainder
+        return f"{self._op_name}(batch_size={self.batch_size}, drop_remainder={drop})"
 
     def _iterate(self) -> Iterator[Nest]:
         pending: list[Nest] = []

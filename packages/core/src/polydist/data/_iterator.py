@@ -20,7 +20,7 @@ needs nothing from ``train``):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from polydist.data._elements import _SpecInferenceError
@@ -163,7 +163,7 @@ def problems(state: Mapping[str, Any], mine: Mapping[str, Any], what: str) -> li
     return []
 
 
-def _first_difference(saved: Any, have: list[list[str]]) -> tuple[Any, Any]:
+def _first_difference(saved: Any, have: Any) -> tuple[Any, Any]:
     """The first op where two pipelines differ, with the ops below it (their sources)."""
     if not isinstance(saved, list) or len(saved) != len(have):
         n = len(saved) if isinstance(saved, list) else "?"
@@ -254,10 +254,3 @@ class OwnedIterator(Iterator[Nest]):
             self._start, self._elements, self._position = start, elements, position
 
         return commit
-
-
-def as_elements(source: Iterable[Nest]) -> Iterator[Nest]:
-    """Iterates ``source``, a Dataset without an ``OwnedIterator`` around it (internal reads)."""
-    from polydist.data._dataset import Dataset  # _dataset imports this module
-
-    return source._iterate() if isinstance(source, Dataset) else iter(source)

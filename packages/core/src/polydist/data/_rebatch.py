@@ -565,7 +565,7 @@ def _worker_streams(
             "pass a re-iterable (a Dataset, a list, or an object whose __iter__ starts over)."
         )
     source = as_dataset(dataset)
-    streams = []
+    streams: list[Iterator[Nest]] = []
     for worker in range(num_workers):
         with warnings.catch_warnings():
             if worker != warn_for:  # every worker decides alike; warn once
