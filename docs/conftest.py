@@ -47,12 +47,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A fresh working directory, and the environment as it was (blocks set TF_CONFIG)."""
+    """A fresh working directory, the environment as it was (blocks set TF_CONFIG), and
+    no TPU system initialized or shut down."""
     monkeypatch.chdir(tmp_path)
     saved = dict(os.environ)
     yield
     os.environ.clear()
     os.environ.update(saved)
+    # initialize/shutdown_tpu_system and connect_to_cluster keep process-wide records.
+    from polydist.cluster_resolver import _connect
+    from polydist.tpu import _system
+
+    _system._initialized.clear()
+    _system._shut_down.clear()
+    _connect._connection = None
 
 
 @pytest.fixture

@@ -199,6 +199,21 @@ NAME_TABLE: dict[str, list[tuple[str, str, str]]] = {
         ("tf.data.experimental.AutoShardPolicy", "polydist.data.AutoShardPolicy", ""),
         ("tf.tpu.experimental.Topology", "polydist.tpu.Topology", ""),
         ("tf.tpu.experimental.DeviceAssignment", "polydist.tpu.DeviceAssignment", ""),
+        (
+            "tf.tpu.experimental.initialize_tpu_system",
+            "polydist.tpu.initialize_tpu_system",
+            "returns the slice's `Topology`",
+        ),
+        (
+            "tf.tpu.experimental.shutdown_tpu_system",
+            "polydist.tpu.shutdown_tpu_system",
+            "`run` fails until initialized again",
+        ),
+        (
+            "tf.config.experimental_connect_to_cluster",
+            "polydist.config.experimental_connect_to_cluster",
+            "records the cluster; no remote eager context",
+        ),
         ("tf.errors", "polydist.errors", "the same error classes"),
     ],
     "compat": [

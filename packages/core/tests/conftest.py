@@ -11,6 +11,18 @@ import numpy as np
 import pytest
 
 from polydist.backend import busy_workers
+from polydist.cluster_resolver import _connect
+from polydist.tpu import _system as _tpu_system
+
+
+@pytest.fixture(autouse=True)
+def _fresh_tpu_systems() -> Iterator[None]:
+    """initialize/shutdown_tpu_system and connect_to_cluster keep process-wide records
+    (as TF does); each test starts without any."""
+    yield
+    _tpu_system._initialized.clear()
+    _tpu_system._shut_down.clear()
+    _connect._connection = None
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ Names, arguments, results and error classes follow ``tf.distribute``::
 from polydist import checkpoint as checkpoint
 from polydist import cluster_resolver as cluster_resolver
 from polydist import compat as compat
+from polydist import config as config
 from polydist import contrib as contrib
 from polydist import debugging as debugging
 from polydist import errors as errors
@@ -103,6 +104,7 @@ __all__ = [
     "checkpoint",
     "cluster_resolver",
     "compat",
+    "config",
     "contrib",
     "debugging",
     "errors",

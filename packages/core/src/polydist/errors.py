@@ -13,6 +13,7 @@ __all__ = [
     "CancelledError",
     "CollectiveMismatchError",
     "DeadlineExceededError",
+    "FailedPreconditionError",
     "InvalidArgumentError",
     "OpError",
     "OutOfRangeError",
@@ -38,6 +39,12 @@ class DeadlineExceededError(OpError, TimeoutError):
 
 class UnavailableError(OpError, ConnectionError):
     """A peer worker or service is unavailable (TF: ``UnavailableError``)."""
+
+
+class FailedPreconditionError(OpError, RuntimeError):
+    """The system is not in a state to run the operation (TF: ``FailedPreconditionError``),
+    e.g. ``TPUStrategy.run`` on a TPU system shut down with
+    ``polydist.tpu.shutdown_tpu_system``."""
 
 
 class CancelledError(OpError):

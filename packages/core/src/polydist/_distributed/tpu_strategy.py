@@ -21,7 +21,9 @@ Differences from TensorFlow, all deliberate:
 
 * ``run`` works eagerly. TF raises ``NotImplementedError`` unless the function
   is a ``tf.function``; on the sim there is nothing to compile.
-* No ``initialize_tpu_system`` / ``connect_to_cluster`` is needed first.
+* No ``initialize_tpu_system`` / ``connect_to_cluster`` is needed first. After
+  ``shutdown_tpu_system``, ``run`` raises ``FailedPreconditionError`` until the
+  system is initialized again, as TF's TPU runtime does.
 * Model-parallel annotations (``experimental_assign_to_logical_device`` and
   friends) validate their arguments exactly as TF does and return the very
   same array. They do not move data: the sim records the annotation on a side
@@ -36,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -54,8 +55,10 @@ from polydist._valuetypes import nest as _nest
 from polydist._valuetypes import variables as _variables
 from polydist.backend._contract import Backend, ReplicaChannel, get_backend, local_tpu_system
 from polydist.cluster_resolver import TPUClusterResolver
-from polydist.errors import InvalidArgumentError
+from polydist.cluster_resolver._tpu import default_tpu_resolver
+from polydist.errors import FailedPreconditionError, InvalidArgumentError
 from polydist.tpu import DeviceAssignment, LocalTPUSystem, Topology
+from polydist.tpu import _system as _tpu_system
 
 if TYPE_CHECKING:
     from polydist.data import Dataset
@@ -67,8 +70,6 @@ __all__ = [
     "TPUReplicaContext",
     "TPUStrategy",
 ]
-
-_TPU_NAME_ENV_VARS = ("KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS", "TPU_NAME")
 
 
 class TPUHardwareFeature:
@@ -165,15 +166,6 @@ class _AnnotationTable:
         return _AnnotationTable()  # annotations belong to the original's arrays
 
 
-def _default_resolver(backend: Backend) -> TPUClusterResolver:
-    # TF's TPUClusterResolver("") reads TPU_NAME & co.; with none set we simulate
-    # the TPU "attached to this machine" ($POLYDIST_LOCAL_TPU, default v3-8). A
-    # backend on real devices has only its local TPU.
-    if local_tpu_system(backend) is None and any(os.environ.get(v) for v in _TPU_NAME_ENV_VARS):
-        return TPUClusterResolver()
-    return TPUClusterResolver("local")
-
-
 def _check_topology(da: DeviceAssignment, system: LocalTPUSystem, backend: Backend) -> None:
     """The assignment's coordinates mean this system's cores only if it was built from
     this system's topology."""
@@ -224,7 +216,7 @@ class TPUExtended(StrategyExtended):
                 "pass backend='sim'."
             )
         resolver = (
-            _default_resolver(resolved) if tpu_cluster_resolver is None else tpu_cluster_resolver
+            default_tpu_resolver(resolved) if tpu_cluster_resolver is None else tpu_cluster_resolver
         )
         if not isinstance(resolver, TPUClusterResolver):
             raise TypeError(
@@ -427,9 +419,20 @@ class TPUExtended(StrategyExtended):
         return _nest.map_structure(self._local_results, result)
 
     # -- running ------------------------------------------------------------------------
+    def _check_not_shut_down(self) -> None:
+        name = self._tpu_cluster_resolver._tpu
+        if _tpu_system.is_shut_down(name):
+            # TF's TPU runtime: "The TPU system has not been initialized."
+            raise FailedPreconditionError(
+                f"The TPU system has not been initialized: TPU system {name!r} was shut down "
+                "with shutdown_tpu_system. Call polydist.tpu.initialize_tpu_system(resolver) "
+                "before running on it again."
+            )
+
     def _call_for_each_replica(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        self._check_not_shut_down()
         wrapped = InReplicaContext(fn, TPUReplicaContext, _SameShapeGatherChannel)
         return super()._call_for_each_replica(wrapped, args, kwargs)
 
@@ -598,7 +601,12 @@ class TPUStrategy(Strategy):
         Inside, ``get_replica_context()`` is a `TPUReplicaContext`; its
         ``all_gather`` needs the same shape on every replica. ``options`` (a
         `polydist.RunOptions`) is accepted and changes nothing.
+
+        Raises:
+          polydist.errors.FailedPreconditionError: the TPU system was shut down
+            (`polydist.tpu.shutdown_tpu_system`) and not initialized again.
         """
+        self.extended._check_not_shut_down()  # (the prepared path skips the extended's)
         return super().run(fn, args, kwargs, options)
 
     def experimental_make_numpy_dataset(self, numpy_input: Any) -> Dataset:

@@ -49,9 +49,17 @@ from typing import Any
 from polydist.backend._contract import ENV_VAR, Backend, get_backend, local_tpu_system
 from polydist.cluster_resolver._base import ClusterResolver, format_master_url
 from polydist.cluster_resolver._cluster_spec import ClusterSpec
-from polydist.tpu import LocalTPUSystem, SliceSpec, Topology, known_slice_names, simulated_slice
+from polydist.cluster_resolver._connect import connect_to_cluster
+from polydist.tpu import (
+    LocalTPUSystem,
+    SliceSpec,
+    Topology,
+    _system,
+    known_slice_names,
+    simulated_slice,
+)
 
-__all__ = ["LOCAL_TPU_ENV", "TPUClusterResolver", "TPUSystemMetadata"]
+__all__ = ["LOCAL_TPU_ENV", "TPUClusterResolver", "TPUSystemMetadata", "default_tpu_resolver"]
 
 #: Environment variable naming the slice that ``tpu="local"`` simulates.
 LOCAL_TPU_ENV = "POLYDIST_LOCAL_TPU"
@@ -227,12 +235,13 @@ class TPUClusterResolver(ClusterResolver):
     ) -> TPUClusterResolver:
         """Creates a resolver and "initialises" the simulated TPU system.
 
-        TensorFlow's version also connects to the cluster and runs
-        ``initialize_tpu_system``; here the slice's topology is recorded
-        (see `tpu_topology`).
+        As TensorFlow's, it calls ``polydist.config.experimental_connect_to_cluster``
+        and then ``polydist.tpu.initialize_tpu_system`` with the new resolver, which
+        stores the system's topology in it (see `tpu_topology`).
         """
         resolver = cls(tpu, zone, project)
-        resolver.set_tpu_topology(resolver._topology().serialized())
+        connect_to_cluster(resolver)
+        _system.initialize_tpu_system(resolver)
         return resolver
 
     @property
@@ -443,3 +452,28 @@ class TPUClusterResolver(ClusterResolver):
                 f"cores={binding.system.num_cores})"
             )
         return f"TPUClusterResolver(tpu={self._tpu!r}, slice={self._slice.name!r})"
+
+
+def default_tpu_resolver(backend: Backend) -> TPUClusterResolver:
+    """The resolver of ``TPUStrategy()`` and ``initialize_tpu_system()`` on ``backend``."""
+    # TF's TPUClusterResolver("") reads TPU_NAME & co.; with none set we simulate
+    # the TPU "attached to this machine" ($POLYDIST_LOCAL_TPU, default v3-8). A
+    # backend on real devices has only its local TPU.
+    if local_tpu_system(backend) is None and any(os.environ.get(v) for v in _TPU_NAME_ENV_VARS):
+        return TPUClusterResolver()
+    return TPUClusterResolver("local")
+
+
+def _read_tpu_system(cluster_resolver: object, caller: str) -> _system.ResolvedTPUSystem:
+    """The TPU system of ``cluster_resolver`` (None: the default one), for polydist.tpu."""
+    resolver = default_tpu_resolver(get_backend()) if cluster_resolver is None else cluster_resolver
+    if not isinstance(resolver, TPUClusterResolver):
+        raise TypeError(
+            f"{caller}: cluster_resolver must be a polydist.cluster_resolver.TPUClusterResolver "
+            f"(e.g. TPUClusterResolver(tpu='v3-8') or 'local'), or None for the default one; "
+            f"got {type(resolver).__name__}."
+        )
+    return _system.ResolvedTPUSystem(resolver._tpu, resolver._topology(), resolver)
+
+
+_system.set_resolver_reader(_read_tpu_system)
