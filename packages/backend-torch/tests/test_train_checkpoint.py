@@ -236,3 +236,106 @@ def test_distributed_rollback_to_a_checkpoint_saved_before_the_first_step(
     for k, v in fresh.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
     pd.debugging.check_replicas_identical(strategy)
+
+
+# A DistributedOptimizer checks saved per-parameter state against its parameters before
+# loading any copy: torch's own load_state_dict casts it and fails at a later step() (or
+# broadcasts silently), fresh optimizer or not.
+
+OTHER_STATE = {
+    "adam": (lambda ps: torch.optim.Adam(ps, lr=0.1), "exp_avg"),
+    "sgd-momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "momentum_buffer"),
+}
+
+
+def distributed(
+    strategy: object, in_features: int, name: str
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    import polydist_torch
+
+    torch.manual_seed(in_features)
+    with strategy.scope():  # type: ignore[attr-defined]
+        model = polydist_torch.distribute_module(torch.nn.Linear(in_features, 3))
+        opt = polydist_torch.distribute_optimizer(OTHER_STATE[name][0](model.parameters()))
+    return model, opt
+
+
+def train_once(strategy: object, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    import polydist as pd
+
+    n = model.in_features  # type: ignore[union-attr]
+
+    def replica_step(x: torch.Tensor) -> None:
+        model(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    x = torch.ones(4, n)
+    strategy.run(replica_step, args=(pd.PerReplica([x[:2], x[2:]]),))  # type: ignore[attr-defined]
+
+
+def states(opt: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
+    return [
+        {f"{i}/{k}": v.clone() for i, s in enumerate(r.state.values()) for k, v in s.items()}
+        for r in opt.replicas  # type: ignore[attr-defined]
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_STATE))
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "with-state"])
+def test_distributed_optimizer_refuses_state_of_other_parameters(
+    cpu_only: None, name: str, stepped: bool
+) -> None:
+    import polydist as pd
+
+    strategy = pd.MirroredStrategy(["/cpu:0", "/cpu:1"], backend="torch")
+    small, small_opt = distributed(strategy, 4, name)
+    train_once(strategy, small, small_opt)
+    saved = small_opt.state_dict()
+    key = OTHER_STATE[name][1]
+    assert list(saved["state"][0][key].shape) == [3, 4]
+
+    # torch's own optimizer takes it without a word (the defect being guarded against)
+    plain = OTHER_STATE[name][0](torch.nn.Linear(5, 3).parameters())
+    plain.load_state_dict(saved)
+    assert list(plain.state_dict()["state"][0][key].shape) == [3, 4]
+
+    wide, wide_opt = distributed(strategy, 5, name)
+    if stepped:
+        train_once(strategy, wide, wide_opt)
+    before = states(wide_opt)
+    assert len(before[0]) == (6 if name == "adam" else 2) * stepped  # per parameter: 3 or 1
+    expected = f"its current '{key}'" if stepped else "the parameter"
+    with pytest.raises(CheckpointMismatchError) as raised:
+        wide_opt.load_state_dict(saved)
+    message = str(raised.value)
+    assert (
+        f"parameter 0 (group 0, shape [3, 5]): the saved '{key}' has shape [3, 4], "
+        f"expected [3, 5] ({expected})"
+    ) in message
+    assert "parameter 1" not in message  # the biases have the same shape, [3]
+    assert "Nothing was loaded" in message
+    after = states(wide_opt)
+    assert [sorted(s) for s in after] == [sorted(s) for s in before]
+    for a, b in zip(after, before, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_restore_of_other_optimizer_state_changes_nothing(
+    tmp_path: Path, cpu_only: None
+) -> None:
+    import polydist as pd
+
+    strategy = pd.MirroredStrategy(["/cpu:0", "/cpu:1"], backend="torch")
+    small, small_opt = distributed(strategy, 4, "adam")
+    train_once(strategy, small, small_opt)
+    wide, _ = distributed(strategy, 5, "adam")
+    # The model fits the one restored into; the optimizer state is of the small model.
+    path = Checkpoint(model=wide, optimizer=small_opt).save(tmp_path / "ckpt")
+    target, target_opt = distributed(strategy, 5, "adam")
+    with torch.no_grad():
+        target.weight.zero_()  # type: ignore[operator]
+    with pytest.raises(CheckpointMismatchError, match=r"saved 'exp_avg' has shape \[3, 4\]"):
+        Checkpoint(model=target, optimizer=target_opt).restore(path)
+    assert float(target.weight.detach().abs().sum()) == 0.0  # type: ignore[operator]
+    assert all(not r.state for r in target_opt.replicas)  # type: ignore[attr-defined]

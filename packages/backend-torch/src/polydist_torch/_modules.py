@@ -938,11 +938,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._replicas[0].state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads ``state_dict`` (torch's format) into every replica's copy."""
+        """Loads ``state_dict`` (torch's format) into every replica's copy.
+
+        Unlike torch's, it first checks the saved per-parameter state against the
+        parameters (torch casts it and fails at a later ``step``, or not at all):
+
+        Raises:
+          polydist.checkpoint.CheckpointMismatchError: a saved state tensor does not
+            have the shape of this optimizer's state for its parameter: of the same
+            tensor in the current state, else, for torch's own optimizers, of the
+            parameter (Adam's ``exp_avg``, SGD's ``momentum_buffer``, ...). Nothing
+            is loaded.
+        """
         if self._index() is not None:
             raise RuntimeError(
                 "DistributedOptimizer.load_state_dict(): call it outside strategy.run."
             )
+        _check_state_shapes(self._replicas[0], state_dict)
         for opt in self._replicas:
             # torch keeps references into the dict it loads: give each copy its own.
             opt.load_state_dict(copy.deepcopy(state_dict))
@@ -951,6 +963,85 @@ class DistributedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError(
             "DistributedOptimizer.add_param_group: add the group to the optimizer before "
             "polydist_torch.distribute_optimizer."
+        )
+
+
+# The state that torch.optim's optimizers keep per parameter element (shaped like the
+# parameter): {class name: keys}. LBFGS (flat history) and Adafactor (factored row and
+# column variances) keep other shapes; optimizers outside torch.optim are unknown.
+_ELEMENTWISE_STATE = {
+    "SGD": ("momentum_buffer",),
+    "Adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "AdamW": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "Adamax": ("exp_avg", "exp_inf"),
+    "NAdam": ("exp_avg", "exp_avg_sq"),
+    "RAdam": ("exp_avg", "exp_avg_sq"),
+    "SparseAdam": ("exp_avg", "exp_avg_sq"),
+    "Adagrad": ("sum",),
+    "Adadelta": ("square_avg", "acc_delta"),
+    "RMSprop": ("square_avg", "momentum_buffer", "grad_avg"),
+    "Rprop": ("prev", "step_size"),
+    "ASGD": ("ax",),
+}
+
+
+def _elementwise_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    for klass in type(optimizer).__mro__:
+        name = klass.__name__
+        if name in _ELEMENTWISE_STATE and getattr(torch.optim, name, None) is klass:
+            return _ELEMENTWISE_STATE[name]
+    return ()
+
+
+def _check_state_shapes(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+    """Raises CheckpointMismatchError if ``state_dict``'s per-parameter state does not
+    fit ``optimizer``'s parameters (see `DistributedOptimizer.load_state_dict`)."""
+    if not isinstance(state_dict, Mapping):
+        return  # torch's load_state_dict says what is wrong
+    saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+    groups = optimizer.param_groups
+    if (
+        not isinstance(saved_groups, list)
+        or not isinstance(saved_state, Mapping)
+        or [len(g.get("params", ())) for g in saved_groups] != [len(g["params"]) for g in groups]
+    ):
+        return  # torch checks the groups' sizes, with its own ValueError
+    # torch's own pairing: saved parameter ids to parameters, in group order.
+    where: dict[Any, tuple[int, int, torch.Tensor]] = {}
+    k = 0
+    for gi, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        for saved_id, param in zip(saved["params"], group["params"], strict=True):
+            where[saved_id] = (gi, k, param)
+            k += 1
+    elementwise = _elementwise_keys(optimizer)
+    problems = []
+    for saved_id, entry in saved_state.items():
+        if saved_id not in where or not isinstance(entry, Mapping):
+            continue  # torch ignores state of unknown ids
+        gi, index, param = where[saved_id]
+        current = optimizer.state.get(param, {})
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            now = current.get(key)
+            if isinstance(now, torch.Tensor):
+                want, what = tuple(now.shape), f"its current {key!r}"
+            elif key in elementwise:
+                want, what = tuple(param.shape), "the parameter"
+            else:
+                continue
+            if tuple(value.shape) != want:
+                problems.append(
+                    f"parameter {index} (group {gi}, shape {list(param.shape)}): the saved "
+                    f"{key!r} has shape {list(value.shape)}, expected {list(want)} ({what})"
+                )
+    if problems:
+        raise pd.checkpoint.CheckpointMismatchError(
+            f"{type(optimizer).__name__} state does not fit this optimizer's parameters:\n"
+            + "\n".join(f"  - {p}" for p in problems[:10])
+            + "\nNothing was loaded. The state was saved for other parameters (another "
+            "model, or its parameters in another order): restore the optimizer state saved "
+            "with this model, or keep the fresh optimizer."
         )
 
 

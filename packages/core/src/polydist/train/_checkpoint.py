@@ -522,11 +522,11 @@ class Checkpoint:
         stored = read_arrays(manifest.path, list(consumed))
         # Convert everything before writing anything, so that a failure changes nothing
         # (an iterator replays its input here).
-        actions = [
-            (isinstance(slot, _VarSlot), _prepare(slot, what, stored)) for slot, what in plan
-        ]
+        actions = [(_write_order(slot), _prepare(slot, what, stored)) for slot, what in plan]
         # load_state_dict and from_nest first: they may still raise (a torch optimizer
         # checks its parameter groups), and then no Variable has been written yet.
+        # Optimizers before modules: a module's state was checked above, and a
+        # distributed optimizer checks its state's shapes against the parameters.
         for _, act in sorted(actions, key=lambda a: a[0]):
             act()
         ignored = {_SAVE_COUNTER} if not counter else set()
@@ -540,6 +540,14 @@ class Checkpoint:
         unconsumed += [p or "(root)" for p in jsons if p not in json_matched]
         matched = sum(1 for k in consumed if k != _SAVE_COUNTER) + len(json_matched)
         return CheckpointLoadStatus(str(manifest.path), unconsumed, unmatched, matched)
+
+
+def _write_order(slot: _Slot) -> int:
+    """0: optimizers (state_dict objects with ``param_groups``), 1: other state_dict
+    objects and registered nests, 2: Variables."""
+    if isinstance(slot, _VarSlot):
+        return 2
+    return 0 if isinstance(slot, _StateSlot) and hasattr(slot.obj, "param_groups") else 1
 
 
 def _require_cross_replica_train() -> None:
