@@ -366,6 +366,55 @@ def test_layers_frozen_through_replica_zero_stay_frozen_on_every_replica() -> No
     pd.debugging.check_replicas_identical(strategy)
 
 
+def test_layers_put_in_eval_mode_through_replica_zero_are_in_eval_mode_everywhere() -> None:
+    """Fine-tuning idioms: BatchNorm frozen through `model.modules()` and a Dropout
+    turned off through `model[2].eval()`, outside run, reach replica 0's copy; the other
+    replicas kept training mode (batch statistics, random masks, running statistics
+    updated), so the summed gradients and every buffer but replica 0's were wrong."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 3)
+        )
+        with torch.no_grad():  # running statistics of an earlier training
+            model[1].running_mean.uniform_(-1.0, 1.0)
+            model[1].running_var.uniform_(0.5, 2.0)
+        return model
+
+    def freeze(model: nn.Module) -> None:
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                m.eval()
+        model[2].eval()
+
+    reference = build()
+    freeze(reference)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for x, y in make_loader():
+        (per_example_loss(reference, x, y).sum() / x.shape[0]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    strategy = cpu_strategy(4)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(build())
+    freeze(model)  # model.modules() and model[2] outside run: replica 0's copy
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    for x, y in strategy.experimental_distribute_dataset(make_loader()):
+        strategy.run(distributed_step(model, opt), args=(x, y))
+    for replica in model.replicas:
+        assert [m.training for m in replica] == [True, False, False, True]
+        assert int(replica[1].num_batches_tracked) == 0  # no statistics updated
+    pd.debugging.check_replicas_identical(strategy)
+    got, want = model.state_dict(), reference.state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=RTOL, atol=ATOL)
+    model.train()  # every copy, every layer
+    assert all(m.training for replica in model.replicas for m in replica.modules())
+
+
 @pytest.mark.parametrize(
     "make_scheduler",
     [

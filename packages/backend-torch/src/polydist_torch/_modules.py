@@ -226,6 +226,7 @@ class DistributedModule(nn.Module):
         object.__setattr__(self, "_variables", variables)
         object.__setattr__(self, "_buffer_slots", tuple(buffer_slots))
         object.__setattr__(self, "_params", tuple(tuple(m.parameters()) for m in replicas))
+        object.__setattr__(self, "_submodules", tuple(tuple(m.modules()) for m in replicas))
         for r, m in enumerate(replicas):
             for p in m.parameters():
                 _OWNERS[p] = (weakref.ref(self), r)
@@ -284,7 +285,7 @@ class DistributedModule(nn.Module):
         if r is not None:
             self._refresh_buffers(r)
             if r:
-                self._follow_requires_grad(r)
+                self._follow_replica_zero(r)
         return getattr(self._replicas[r or 0], name)
 
     def __getitem__(self, index: Any) -> Any:
@@ -293,7 +294,7 @@ class DistributedModule(nn.Module):
         if r is not None:
             self._refresh_buffers(r)
             if r:
-                self._follow_requires_grad(r)
+                self._follow_replica_zero(r)
         return self._replicas[r or 0][index]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -302,20 +303,24 @@ class DistributedModule(nn.Module):
             if self._buffer_slots:  # most models' steps have none to refresh
                 self._refresh_buffers(r)
             if r:
-                self._follow_requires_grad(r)
+                self._follow_replica_zero(r)
             return self._replicas[r](*args, **kwargs)
         self._refresh_buffers(0)
         with self._cross_replica_buffers():
             return self.module(*args, **kwargs)
 
-    def _follow_requires_grad(self, r: int) -> None:
-        # Layers frozen (or unfrozen) through model.parameters() outside run changed
-        # replica 0's copy only: the other copies follow it, as the optimizer's do.
+    def _follow_replica_zero(self, r: int) -> None:
+        # Layers frozen (or unfrozen) through model.parameters() outside run, and layers
+        # put in eval mode there (model.encoder.eval(), BatchNorm frozen through
+        # model.modules()), changed replica 0's copy only: the other copies follow it.
         # Outside the default-device mode: two attribute reads per parameter per call.
         with _OutsideDefaultDevice():
             for p0, p in zip(self._params[0], self._params[r]):
                 if p.requires_grad is not p0.requires_grad:
                     p.requires_grad_(p0.requires_grad)
+        for m0, m in zip(self._submodules[0], self._submodules[r]):
+            if m.training is not m0.training:
+                m.training = m0.training
 
     def _refresh_buffers(self, r: int) -> None:
         # A polydist write (assign, checkpoint.restore) stores a new tensor: point the
