@@ -415,6 +415,75 @@ def test_layers_put_in_eval_mode_through_replica_zero_are_in_eval_mode_everywher
     assert all(m.training for replica in model.replicas for m in replica.modules())
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_clip_step"])
+def test_grad_scalers_see_the_summed_gradients_and_skip_the_same_steps(clip: bool) -> None:
+    """torch.amp's loop with one GradScaler per replica: a scaler unscales and checks the
+    gradients summed across replicas (TF's LossScaleOptimizer aggregates first), so an
+    inf on one replica's part of the batch skips the step on every replica, and a clip
+    after unscale_ sees the global gradients, as on one device. Before, each replica
+    checked its own gradients: the replica with the inf skipped the step (and its
+    all_reduce) alone."""
+
+    def batch(t: int, x: torch.Tensor) -> torch.Tensor:
+        if t == 2:
+            x = x.clone()
+            x[-1, 0] = float("inf")  # the last example: the last replica's part
+        return x
+
+    def loop_step(
+        model: Any, opt: Any, scaler: torch.amp.GradScaler, x: torch.Tensor, y: torch.Tensor
+    ) -> None:
+        loss = per_example_loss(model, x, y).sum() / 8
+        scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    def make_scaler() -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+
+    batches = list(make_loader(examples=32))
+    reference = make_model()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    ref_scaler = make_scaler()
+    for t, (x, y) in enumerate(batches):
+        loop_step(reference, ref_opt, ref_scaler, batch(t, x), y)
+    assert ref_scaler.get_scale() == 2.0**12  # 4 steps: grew 3 times, halved once
+
+    strategy = cpu_strategy(4)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+    opt = polydist_torch.distribute_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    scalers = [make_scaler() for _ in range(strategy.num_replicas_in_sync)]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        replica = int(pd.get_replica_context().replica_id_in_sync_group)
+        loop_step(model, opt, scalers[replica], x, y)
+
+    for t, (x, y) in enumerate(batches):
+        dist = strategy.experimental_distribute_dataset([(batch(t, x), y)])
+        strategy.run(step, args=next(iter(dist)))
+    assert [s.get_scale() for s in scalers] == [ref_scaler.get_scale()] * 4
+    pd.debugging.check_replicas_identical(strategy)
+    optimizer_states_identical(opt)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+    shared = make_scaler()
+
+    def shared_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loop_step(model, opt, shared, x, y)
+
+    x, y = batches[0]
+    with pytest.raises(RuntimeError, match=r"One torch.amp.GradScaler is used by replicas 0 and 1"):
+        strategy.run(
+            shared_step, args=next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+        )
+
+
 @pytest.mark.parametrize(
     "make_scheduler",
     [

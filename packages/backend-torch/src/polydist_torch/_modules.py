@@ -55,9 +55,9 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class LocalGradientWarning(UserWarning):
-    """A `DistributedOptimizer`'s gradients were changed in place (clipped, unscaled)
-    after backward and before they were summed across replicas: that code saw one
-    replica's gradients, not the sum. Call ``all_reduce_gradients()`` first."""
+    """A `DistributedOptimizer`'s gradients were changed in place (clipped) after
+    backward and before they were summed across replicas: that code saw one replica's
+    gradients, not the sum. Call ``all_reduce_gradients()`` first."""
 
 
 def _user_stacklevel() -> int:
@@ -544,16 +544,22 @@ def _zero_grad_wrapped(optimizer: torch.optim.Optimizer, set_to_none: bool) -> N
 _profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
 
-def _in_scheduler(frame: Any) -> bool:
-    """Whether a learning-rate scheduler's method is among the few callers nearest
-    ``frame`` (its get_lr reads ``param_groups`` from a comprehension's frame)."""
+#: Callers that read a DistributedOptimizer's ``param_groups`` in run and need care.
+_WATCHED_CALLERS = (torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
+
+
+def _watched_caller(frame: Any) -> Any:
+    """The learning-rate scheduler or GradScaler whose method is among the few callers
+    nearest ``frame`` (a scheduler's get_lr reads ``param_groups`` from a
+    comprehension's frame), else None."""
     for _ in range(4):
         if frame is None:
-            return False
-        if isinstance(frame.f_locals.get("self"), torch.optim.lr_scheduler.LRScheduler):
-            return True
+            return None
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, _WATCHED_CALLERS):
+            return caller
         frame = frame.f_back
-    return False
+    return None
 
 
 #: Float dtypes whose integers are exact up to any replica count polydist runs.
@@ -647,6 +653,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sentinels: list[torch.Tensor | None] = []
         self._accumulated: dict[int, tuple[int, int]] = {}
         self._warned_local = False
+        # Each GradScaler that stepped this optimizer -> the one replica it belongs to.
+        self._scalers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         if not self._alone:
             self._watch_gradients()
 
@@ -683,8 +691,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._warned_local = True
             warnings.warn(
                 "DistributedOptimizer: the gradients changed after backward() and before "
-                "they were summed across replicas (by clip_grad_norm_, GradScaler.unscale_ "
-                "or an in-place edit of p.grad), so that code saw this replica's own "
+                "they were summed across replicas (by clip_grad_norm_ or an in-place edit "
+                "of p.grad), so that code saw this replica's own "
                 f"gradients, not the sum over the {self._strategy.num_replicas_in_sync} "
                 "replicas (DDP sums them during backward; TF sums them in "
                 "apply_gradients, after a clip in the replica function, as here). To clip "
@@ -698,7 +706,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         r = self._index()
-        if r is not None and _in_scheduler(sys._getframe(1)):
+        caller = None if r is None else _watched_caller(sys._getframe(1))
+        if isinstance(caller, torch.amp.GradScaler):
+            assert r is not None
+            self._sum_for_scaler(caller, r)
+        elif caller is not None:
             # Stepped on every replica it would advance N times per step, silently.
             raise RuntimeError(
                 "A learning-rate scheduler of this DistributedOptimizer ran inside "
@@ -713,6 +725,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self._read_only("param_groups")
+
+    def _sum_for_scaler(self, scaler: Any, r: int) -> None:
+        """A GradScaler is about to unscale this replica's gradients and check them for
+        inf/NaN: they are summed across replicas first, as TF's LossScaleOptimizer
+        aggregates them before its check, so that every replica skips the same steps."""
+        first = self._scalers.setdefault(scaler, r)
+        if first != r:
+            raise RuntimeError(
+                f"One torch.amp.GradScaler is used by replicas {first} and {r} of this "
+                "DistributedOptimizer: a GradScaler keeps one state per optimizer (unscaled "
+                "or not, its inf checks), so the replicas would mix theirs up, and each "
+                "replica's update() would change the one scale. Make one scaler per replica "
+                "outside strategy.run, `scalers = [torch.amp.GradScaler(...) for _ in "
+                "range(strategy.num_replicas_in_sync)]`, and use `scaler = "
+                "scalers[int(pd.get_replica_context().replica_id_in_sync_group)]` in the "
+                "replica function. The scalers stay equal: the gradients are summed before "
+                "a scaler checks them, so every replica skips the same steps."
+            )
+        with _GradMode(False), _OutsideDefaultDevice():
+            self._all_reduce_gradients(r)
 
     @property
     def state(self) -> Any:
