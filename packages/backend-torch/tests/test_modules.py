@@ -415,6 +415,58 @@ def test_layers_put_in_eval_mode_through_replica_zero_are_in_eval_mode_everywher
     assert all(m.training for replica in model.replicas for m in replica.modules())
 
 
+def test_ddp_s_model_module_and_modules_inside_run_are_the_replica_s_own_copy() -> None:
+    """Code ported from DDP calls `model.module(x)` (or a method of it) in the step and
+    walks `model.modules()`: inside run both reached replica 0's copy, so every replica
+    computed with replica 0's weights and updated its BatchNorm statistics (4 updates
+    per step there, none elsewhere; on GPUs, tensors on two devices)."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+
+    def train(forward: Callable[[Any, torch.Tensor], torch.Tensor]) -> DistributedModule:
+        strategy = cpu_strategy(4)
+        with strategy.scope():
+            model = polydist_torch.distribute_module(build())
+        opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            logits = forward(model, x)
+            pd.nn.compute_average_loss_exact(
+                F.cross_entropy(logits, y, reduction="none")
+            ).backward()
+            opt.step()
+            opt.zero_grad()
+
+        for x, y in strategy.experimental_distribute_dataset(make_loader(examples=32)):
+            strategy.run(step, args=(x, y))
+        return model
+
+    plain = train(lambda model, x: model(x))
+    ported = train(lambda model, x: model.module(x))
+    for mine, theirs in zip(ported.replicas, plain.replicas):
+        assert int(mine[1].num_batches_tracked) == 4  # its own 4 steps, on every replica
+        for (key, a), b in zip(mine.state_dict().items(), theirs.state_dict().values()):
+            assert torch.equal(a, b), key
+    assert ported.module is ported.replicas[0]  # outside run: replica 0's copy
+
+    strategy = ported.strategy
+    seen = strategy.run(lambda: [m for m in ported.modules() if isinstance(m, nn.Linear)])
+    for r, layers in enumerate(strategy.experimental_local_results(seen)):
+        assert layers == [ported.replicas[r][0], ported.replicas[r][2]]
+    children = strategy.run(lambda: list(ported.children()))
+    assert strategy.experimental_local_results(children)[2] == [ported.replicas[2]]
+    assert [name for name, _ in ported.named_modules()][:3] == ["", "module", "module.0"]
+
+    def accumulate(x: torch.Tensor) -> None:
+        with ported.no_sync():  # DDP's; nothing to skip here
+            ported(x).sum().backward()
+
+    with pytest.raises(AttributeError, match=r"no no_sync\(\).*drop the `with model.no_sync"):
+        strategy.run(accumulate, args=(torch.randn(2, 6),))
+
+
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_clip_step"])
 def test_grad_scalers_see_the_summed_gradients_and_skip_the_same_steps(clip: bool) -> None:
     """torch.amp's loop with one GradScaler per replica: a scaler unscales and checks the

@@ -159,7 +159,8 @@ class DistributedModule(nn.Module):
     across replicas (BatchNorm's running statistics averaged), as TF reads a
     sync-on-read variable in cross-replica context.
 
-    ``model.module`` is the wrapped module (replica 0's copy), so
+    ``model.module`` is the wrapped module (replica 0's copy; inside
+    ``strategy.run``, the replica's own), so outside ``run``
     ``model.parameters()`` are replica 0's parameters: build the optimizer on
     them and wrap it with :func:`distribute_optimizer`. ``variables`` and
     ``trainable_variables`` list the polydist variables, as in Keras.
@@ -270,10 +271,16 @@ class DistributedModule(nn.Module):
     def trainable_variables(self) -> list[Any]:
         """The variables of parameters that require gradients (replica 0's flags, so
         layers frozen after distributing drop out, as Keras' ``trainable = False``)."""
-        params = dict(self.module.named_parameters())
+        params = dict(self._replicas[0].named_parameters())
         return [v for k, v in self._variables.items() if k in params and params[k].requires_grad]
 
     def __getattr__(self, name: str) -> Any:
+        if name == "module" and "_replicas" in self.__dict__:
+            # DDP's `model.module.encode(x)` in the step: the replica's own copy, which
+            # computes with its own weights and updates its own buffers.
+            r = _replica_index(self._strategy, "this DistributedModule")
+            if r:
+                return self._replica_copy(r)
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -282,20 +289,30 @@ class DistributedModule(nn.Module):
         # The wrapped module's attributes (model.fc, model.running_mean): the replica's own
         # copy's inside strategy.run, replica 0's outside.
         r = _replica_index(self.strategy, "this DistributedModule")
-        if r is not None:
-            self._refresh_buffers(r)
-            if r:
-                self._follow_replica_zero(r)
-        return getattr(self._replicas[r or 0], name)
+        replica = self._replicas[0] if r is None else self._replica_copy(r)
+        if name == "no_sync" and not hasattr(replica, name):
+            raise AttributeError(
+                "DistributedModule has no no_sync(): DDP's context that skips the gradients' "
+                "all-reduce in backward. Here backward() sums nothing (optimizer.step() "
+                "sums the gradients, once, as TF's apply_gradients), so accumulating "
+                "gradients over several backward() calls needs no context: drop the "
+                "`with model.no_sync():` and call optimizer.step() after the last one."
+            )
+        return getattr(replica, name)
+
+    def _replica_copy(self, r: int) -> nn.Module:
+        """Replica ``r``'s copy, its buffers and flags brought up to date (inside run)."""
+        self._refresh_buffers(r)
+        if r:
+            self._follow_replica_zero(r)
+        replica: nn.Module = self._replicas[r]
+        return replica
 
     def __getitem__(self, index: Any) -> Any:
         # A container's layers (model[0] of an nn.Sequential), as attributes are reached.
         r = _replica_index(self.strategy, "this DistributedModule")
-        if r is not None:
-            self._refresh_buffers(r)
-            if r:
-                self._follow_replica_zero(r)
-        return self._replicas[r or 0][index]
+        replica: Any = self._replicas[0] if r is None else self._replica_copy(r)
+        return replica[index]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r = _replica_index(self._strategy, "this DistributedModule")
@@ -357,6 +374,38 @@ class DistributedModule(nn.Module):
         inner = f"{prefix}.module" if prefix else "module"
         replica: nn.Module = self._replicas[r]
         return replica.named_parameters(inner, recurse, remove_duplicate)
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        """``("module", replica 0's copy)``; inside ``strategy.run``, the replica's own."""
+        r = _replica_index(self.strategy, "this DistributedModule")
+        if r is None:
+            return super().named_children()
+        return iter((("module", self._replica_copy(r)),))
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """This module, then replica 0's copy's; inside ``strategy.run``, the replica's
+        own copy's (``for m in model.modules()`` in the step walks its own layers)."""
+        r = _replica_index(self.strategy, "this DistributedModule")
+        if r is None:
+            modules: Iterator[tuple[str, nn.Module]] = super().named_modules(
+                memo, prefix, remove_duplicate
+            )
+            return modules
+        replica = self._replica_copy(r)
+
+        def walk() -> Iterator[tuple[str, nn.Module]]:
+            seen = set() if memo is None else memo
+            if self in seen:
+                return
+            if remove_duplicate:
+                seen.add(self)
+            yield prefix, self
+            inner = f"{prefix}.module" if prefix else "module"
+            yield from replica.named_modules(seen, inner, remove_duplicate)
+
+        return walk()
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
