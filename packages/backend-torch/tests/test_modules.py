@@ -467,6 +467,25 @@ def test_ddp_s_model_module_and_modules_inside_run_are_the_replica_s_own_copy() 
         strategy.run(accumulate, args=(torch.randn(2, 6),))
 
 
+def test_sync_batchnorm_over_several_replicas_of_a_process_raises() -> None:
+    """DDP's `nn.SyncBatchNorm.convert_sync_batchnorm(model)` syncs over torch.distributed's
+    process group, never across one process's replicas: each copy normalized with its own
+    batch statistics (different running means per replica), silently."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.SyncBatchNorm.convert_sync_batchnorm(
+            nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+        )
+
+    with pytest.raises(TypeError, match=r"nn.SyncBatchNorm layers \('1'\).*2 replicas"):
+        polydist_torch.distribute_module(build(), cpu_strategy(2))
+    one = polydist_torch.distribute_module(build(), cpu_strategy(1))  # nothing to sync
+    assert isinstance(one.module[1], nn.SyncBatchNorm)
+    plain = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+    plain.load_state_dict(one.state_dict())  # the workaround: the same keys
+
+
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_clip_step"])
 def test_grad_scalers_see_the_summed_gradients_and_skip_the_same_steps(clip: bool) -> None:
     """torch.amp's loop with one GradScaler per replica: a scaler unscales and checks the
