@@ -144,6 +144,44 @@ def test_python_scalars_are_static_like_tf_function(jax_backend: JaxBackend) -> 
     assert jax_backend.compile_count == 2
 
 
+@pytest.mark.parametrize("jit", [True, False])
+def test_typed_prng_keys_as_inputs_and_outputs(jit: bool) -> None:
+    # jax.random.key (an extended dtype) was refused by the compiled run with "Cannot
+    # interpret 'key<fry>' as a data type"; a shared key, per-replica keys, and keys
+    # passed back in must all draw what plain JAX draws from them.
+    backend = JaxBackend(jit=jit)
+    strategy = pd.MirroredStrategy(N, backend=backend)
+
+    def step(key: Any) -> Any:
+        carry, sub = jax.random.split(key)
+        return carry, jax.random.normal(sub, (3,))
+
+    def plain(key: Any) -> tuple[Any, np.ndarray]:
+        carry, sub = jax.random.split(key)
+        return carry, np.asarray(jax.random.normal(sub, (3,)))
+
+    key: Any = jax.random.key(0)
+    want_key = key
+    for _ in range(3):  # a shared key, then run's own per-replica keys passed back in
+        key, drawn = strategy.run(step, args=(key,))
+        want_key, want = plain(want_key)
+        for got in strategy.experimental_local_results(drawn):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        assert jax.dtypes.issubdtype(
+            strategy.experimental_local_results(key)[0].dtype, jax.dtypes.prng_key
+        )
+    keys = jax.random.split(jax.random.key(7), N)
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda c: keys[c.replica_id_in_sync_group]
+    )
+    for _ in range(2):  # the second call replays the plan
+        _, drawn = strategy.run(step, args=(per_replica,))
+        for r, got in enumerate(strategy.experimental_local_results(drawn)):
+            np.testing.assert_array_equal(np.asarray(got), plain(keys[r])[1])
+    if jit:
+        assert backend.eager_fallback_count == 0
+
+
 def test_empty_batches(strategies: tuple[pd.Strategy, pd.Strategy]) -> None:
     def program(strategy: pd.Strategy) -> Any:
         x = distribute(strategy, [np.zeros((0, 3), np.float32) for _ in range(N)])

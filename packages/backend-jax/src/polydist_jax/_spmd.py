@@ -399,7 +399,11 @@ class _Leaf:
 
 
 def _aval(x: Any) -> tuple[tuple[int, ...], Any]:
-    return tuple(x.shape), (np.dtype(x.dtype), bool(getattr(x, "weak_type", False)))
+    dtype = x.dtype
+    # A typed PRNG key array (jax.random.key) has an extended dtype, not a NumPy one.
+    if not isinstance(dtype, np.dtype) and not jnp.issubdtype(dtype, jax.dtypes.extended):
+        dtype = np.dtype(dtype)
+    return tuple(x.shape), (dtype, bool(getattr(x, "weak_type", False)))
 
 
 def _portable(obj: object) -> object:
