@@ -449,6 +449,44 @@ def test_batch_statistics_are_each_replicas_own(jit: bool) -> None:
     assert check_replicas_identical(strategy) == 5  # 4 nnx.Params and the step count
 
 
+@pytest.mark.parametrize("jit", [True, False])
+def test_nnx_metrics_updated_in_run_count_every_replica(jit: bool) -> None:
+    # An nnx.metrics.Average's total and count were mirrored: each replica added its
+    # own examples to its own copy, and compute() outside run gave replica 0's share
+    # (with a divergence warning). They are sums now, as a Keras metric's under TF.
+    def metrics() -> nnx.MultiMetric:
+        return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(16, 3)).astype(np.float32)
+    labels = rng.integers(0, 3, 16).astype(np.int32)
+    loss = rng.normal(size=16).astype(np.float32)
+    plain = metrics()
+    plain.update(logits=logits, labels=labels, loss=loss)
+    plain.update(logits=logits[:5], labels=labels[:5], loss=loss[:5])
+
+    strategy = pd.MirroredStrategy(8, backend=JaxBackend(jit=jit))
+    with strategy.scope():
+        distributed = pdnnx.distribute(metrics())
+    found = pdnnx.variables(distributed)
+    assert found["loss/total"].aggregation == pd.VariableAggregation.SUM
+    assert found["accuracy/count"].synchronization == pd.VariableSynchronization.ON_READ
+
+    def step(logits: jax.Array, labels: jax.Array, loss: jax.Array) -> None:
+        distributed.update(logits=logits, labels=labels, loss=loss)
+
+    batch = (split(strategy, logits), split(strategy, labels), split(strategy, loss))
+    strategy.run(step, args=batch)
+    distributed.reset()  # outside run: every copy, so the sums start again from 0
+    strategy.run(step, args=batch)
+    last = pd.data.Dataset.from_tensor_slices((logits[:5], labels[:5], loss[:5])).batch(5)
+    for uneven in strategy.experimental_distribute_dataset(last):  # 3 replicas get none
+        strategy.run(step, args=uneven)
+    assert int(found["loss/count"].numpy()) == 21
+    for name, want in plain.compute().items():
+        np.testing.assert_allclose(distributed.compute()[name], want, rtol=RTOL, atol=ATOL)
+
+
 def test_one_device_strategy() -> None:
     strategy = pd.OneDeviceStrategy("/cpu:1", backend="jax")
     with strategy.scope():

@@ -36,6 +36,9 @@ Which polydist variable each ``nnx.Variable`` becomes:
 * ``nnx.BatchStat``: ``synchronization=ON_READ, aggregation=MEAN`` (each
   replica keeps its own batch statistics; reading them outside ``run`` gives
   their mean), as Keras' ``BatchNormalization`` under a TF strategy;
+* the ``total`` and ``count`` of an ``nnx.metrics.Average`` (``Accuracy``):
+  ``synchronization=ON_READ, aggregation=SUM``, as a Keras metric's: each
+  replica adds its own examples, and ``compute()`` outside ``run`` sees them all;
 * every other type (``nnx.Param``, optimizer state, counters, RNG state): a
   ``MirroredVariable`` with ``aggregation=NONE``; ``trainable`` is True for
   ``nnx.Param`` only.
@@ -309,13 +312,31 @@ def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _synchronization(var: Any) -> tuple[pd.VariableSynchronization, pd.VariableAggregation]:
+def _synchronization(
+    var: Any, summed: bool
+) -> tuple[pd.VariableSynchronization, pd.VariableAggregation]:
     if isinstance(var, nnx.BatchStat):
         return pd.VariableSynchronization.ON_READ, pd.VariableAggregation.MEAN
+    if summed:
+        return pd.VariableSynchronization.ON_READ, pd.VariableAggregation.SUM
     return pd.VariableSynchronization.AUTO, pd.VariableAggregation.NONE
 
 
-def _bind(var: Any, name: str) -> None:
+def _summed_metric_states(nodes: list[Any]) -> set[int]:
+    """The ids of the ``total`` and ``count`` of every ``nnx.metrics.Average`` (and
+    ``Accuracy``) among ``nodes``: sums, which each replica adds to on its own and a read
+    outside ``run`` adds up, as a Keras metric's ``SUM`` variables under a TF strategy."""
+    found: set[int] = set()
+    for node in nodes:
+        if isinstance(node, nnx.metrics.Average):
+            for attr in ("total", "count"):
+                state = getattr(node, attr, None)
+                if isinstance(state, nnx.metrics.MetricState):
+                    found.add(id(state))
+    return found
+
+
+def _bind(var: Any, name: str, summed: bool = False) -> None:
     """Replaces ``var``'s value by polydist variables (in the current strategy scope)."""
     binding = _binding(var)
     if binding is not None:
@@ -333,7 +354,7 @@ def _bind(var: Any, name: str) -> None:
             f"polydist_jax.nnx: {name!r} is an nnx.Variable with hijax={var.hijax}, "
             f"ref={var.ref}; distribute supports plain nnx Variables (the default)."
         )
-    sync, aggregation = _synchronization(var)
+    sync, aggregation = _synchronization(var, summed)
     flat, treedef = jax.tree_util.tree_flatten_with_path(_SLOT.__get__(var))
     leaves: list[_Leaf] = []
     for path, x in flat:
@@ -433,9 +454,11 @@ def distribute(obj: Any, *, strategy: pd.Strategy | None = None, name: str = "")
             _bind(obj, name)
             root = obj
         elif _graphlib.is_graph_node(obj):
-            for path, node in nnx.iter_graph(obj):
+            nodes = list(nnx.iter_graph(obj))
+            summed = _summed_metric_states([node for _, node in nodes])
+            for path, node in nodes:
                 if isinstance(node, nnx.Variable):
-                    _bind(node, _join(name, *path))
+                    _bind(node, _join(name, *path), summed=id(node) in summed)
             root = obj
         else:
             root = nnx.Variable(obj)
