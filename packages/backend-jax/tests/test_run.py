@@ -182,6 +182,27 @@ def test_typed_prng_keys_as_inputs_and_outputs(jit: bool) -> None:
         assert backend.eager_fallback_count == 0
 
 
+@pytest.mark.parametrize("jit", [True, False])
+def test_a_named_axis_collective_in_an_eager_run_says_why(jit: bool) -> None:
+    # JAX's own error, "unbound axis name: replica ... call psum under jax.shard_map",
+    # names a shard_map the user never wrote; say that the call ran eagerly and why.
+    strategy = pd.MirroredStrategy(N, backend=JaxBackend(jit=jit))
+    dataset = pd.data.Dataset.from_tensor_slices(np.ones((20, 3), np.float32)).batch(16)
+    batches = list(strategy.experimental_distribute_dataset(dataset))
+
+    def step(x: Any) -> Any:
+        return x - jax.lax.pmean(jnp.mean(x, axis=0), "replica")
+
+    if jit:  # the even batch compiles, and the axis is there
+        out = strategy.experimental_local_results(strategy.run(step, args=(batches[0],)))
+        np.testing.assert_array_equal(np.asarray(out[0]), np.zeros((2, 3), np.float32))
+    why = "it could not compile: replica 0 has" if jit else r"of JaxBackend\(jit=False\)"
+    with pytest.raises(
+        NameError, match=f"ran the replicas eagerly, one after another, because {why}"
+    ):
+        strategy.run(step, args=(batches[-1],))  # 4 examples: replicas 4 to 7 get none
+
+
 def test_empty_batches(strategies: tuple[pd.Strategy, pd.Strategy]) -> None:
     def program(strategy: pd.Strategy) -> Any:
         x = distribute(strategy, [np.zeros((0, 3), np.float32) for _ in range(N)])

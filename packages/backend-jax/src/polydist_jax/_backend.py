@@ -96,9 +96,10 @@ class JaxBackend:
         self._moved = MovedArrays()
         #: How core runs the replicas when ``jit=False`` (its execution model is then
         #: eager), and how this backend runs a call it cannot compile.
-        self.replica_runner: EagerReplicaRunner = _EagerRunner(
+        self._eager = _EagerRunner(
             self._moved, "thread", timeout_seconds, wrap_channel=self._eager_channel
         )
+        self.replica_runner: EagerReplicaRunner = self._eager
         #: Calls of strategy.run that ran eagerly because their inputs were uneven.
         self.eager_fallback_count = 0
 
@@ -269,8 +270,9 @@ class JaxBackend:
                     "or create the backend with JaxBackend(eager_fallback=True) to run such "
                     "calls eagerly."
                 ) from None
+            reason = e.reason
         self.eager_fallback_count += 1
-        return self.replica_runner.run(group, fn, per_replica_args)
+        return self._eager.run(group, fn, per_replica_args, why=f"it could not compile: {reason}")
 
     def run_direct(
         self,
@@ -335,9 +337,25 @@ class _EagerRunner(EagerReplicaRunner):
         group: ReplicaGroup,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+        why: str = "of JaxBackend(jit=False)",
     ) -> list[Any]:
         try:
             results = super().run(group, fn, per_replica_args)
+        except NameError as e:
+            self._moved.forget()
+            # JAX's own message ("unbound axis name: replica ... call psum under
+            # `jax.shard_map`") points at shard_map, which the user never wrote.
+            if "unbound axis name" not in str(e):
+                raise
+            raise NameError(
+                f"{_name(fn)} uses a JAX collective over a named mesh axis ({e}), such as "
+                "lax.psum(x, 'replica') or nnx.BatchNorm(axis_name=...). Such axes exist "
+                "only inside a compiled strategy.run, and this call ran the replicas "
+                f"eagerly, one after another, because {why}. Use the replica context's "
+                "collectives (pd.get_replica_context().all_reduce), which work in both, or "
+                "keep every call compiled: pad partial batches to the full size (or batch "
+                "with drop_remainder=True) and keep JaxBackend(jit=True)."
+            ) from e
         except BaseException:
             self._moved.forget()
             raise
