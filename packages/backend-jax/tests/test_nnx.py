@@ -163,6 +163,53 @@ def test_training_matches_single_device(style: Any, replicas: int, jit: bool, st
         assert backend.eager_fallback_count == 0
 
 
+def test_optax_clipping_accumulation_and_schedules_see_one_global_step() -> None:
+    # The step all-reduces before nnx.Optimizer.update, so the chain's clip sees the
+    # global gradients' norm, MultiSteps accumulates summed gradients, and the schedule
+    # and MultiSteps' counters advance once per step (not once per replica).
+    def tx() -> Any:
+        inner = optax.chain(
+            optax.clip_by_global_norm(0.05), optax.adam(optax.linear_schedule(0.05, 0.001, 3))
+        )
+        return optax.MultiSteps(inner, every_k_schedule=2)
+
+    steps = 6
+    backend = JaxBackend()
+    strategy = pd.MirroredStrategy(8, backend=backend)
+    with strategy.scope():
+        model = pdnnx.distribute(MLP(nnx.Rngs(0)))
+        optimizer = pdnnx.distribute(nnx.Optimizer(model, tx(), wrt=nnx.Param))
+
+    def step(x: jax.Array, y: jax.Array) -> None:
+        def loss_fn(model: MLP) -> jax.Array:
+            return pd.nn.compute_average_loss(per_example_loss(model(x), y))  # type: ignore[no-any-return]
+
+        grads = nnx.grad(loss_fn)(model)
+        optimizer.update(model, replica_context().all_reduce("SUM", grads))
+
+    for x, y in batches(steps):
+        strategy.run(step, args=(split(strategy, x), split(strategy, y)))
+        check_replicas_identical(strategy)
+    assert backend.compile_count == 1
+
+    plain = MLP(nnx.Rngs(0))
+    plain_optimizer = nnx.Optimizer(plain, tx(), wrt=nnx.Param)
+    norms = []
+    for x, y in batches(steps):
+        grads = nnx.grad(lambda m, x=x, y=y: per_example_loss(m(x), y).mean())(plain)
+        norms.append(float(optax.tree.norm(grads)))
+        plain_optimizer.update(plain, grads)
+    assert min(norms) > 0.1  # so the clip clipped every step
+    for got, want in zip(params_of(model), params_of(plain), strict=True):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    got_state = jax.tree.leaves(nnx.state(optimizer))
+    want_state = jax.tree.leaves(nnx.state(plain_optimizer))
+    for got, want in zip(got_state, want_state, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
+    assert int(optimizer.opt_state.mini_step[...]) == 0  # 6 steps: 3 updates of 2
+    assert int(optimizer.opt_state.gradient_step[...]) == 3
+
+
 class DocsMLP(nnx.Module):
     """docs/frameworks/flax.md's model."""
 
