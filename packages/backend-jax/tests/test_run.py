@@ -13,6 +13,7 @@ import pytest
 from jax_testutil import assert_results_match, assert_same_bits, distribute
 
 import polydist as pd
+import polydist_jax
 from polydist_jax import JaxBackend
 from polydist_sim import SimBackend
 
@@ -201,6 +202,24 @@ def test_a_named_axis_collective_in_an_eager_run_says_why(jit: bool) -> None:
         NameError, match=f"ran the replicas eagerly, one after another, because {why}"
     ):
         strategy.run(step, args=(batches[-1],))  # 4 examples: replicas 4 to 7 get none
+
+
+def test_a_cond_of_a_constant_and_a_per_replica_value_needs_varying(
+    jax_backend: JaxBackend,
+) -> None:
+    # docs/backends/jax.md, Limits: shard_map's rule (optax.contrib.reduce_on_plateau
+    # meets it), and the way out the docs give.
+    strategy = pd.MirroredStrategy(N, backend=jax_backend)
+    x = distribute(strategy, [np.array([r], np.int32) for r in range(N)])
+
+    def step(wrap: bool, x: Any) -> Any:
+        zero = polydist_jax.varying(jnp.int32(0)) if wrap else jnp.int32(0)
+        return jax.lax.cond(x[0] > 3, lambda: zero, lambda: x[0] + 1)
+
+    with pytest.raises(TypeError, match="cond branches must have equal output types"):
+        strategy.run(step, args=(False, x))
+    got = strategy.experimental_local_results(strategy.run(step, args=(True, x)))
+    assert [int(v) for v in got] == [1, 2, 3, 4, 0, 0, 0, 0]
 
 
 def test_empty_batches(strategies: tuple[pd.Strategy, pd.Strategy]) -> None:
