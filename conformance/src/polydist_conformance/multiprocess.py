@@ -438,7 +438,9 @@ def _train(strategy: pd.Strategy, args: argparse.Namespace, out: Path, rank: int
             # The step's collectives are done (an asynchronous dispatch returns before
             # them): a kill after this report lands between steps, not inside one.
             as_numpy(strategy, w.read_value())
-            (out / f"progress{rank}").write_text(str(step))
+            # Atomically: a reader never sees the file truncated.
+            (out / f"progress{rank}.tmp").write_text(str(step))
+            os.replace(out / f"progress{rank}.tmp", out / f"progress{rank}")
             time.sleep(args.slow)
     save(
         out / f"train{rank}.npz",

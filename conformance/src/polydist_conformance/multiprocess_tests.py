@@ -171,7 +171,8 @@ def wait_progress(out: Path, rank: int, step: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     path = out / f"progress{rank}"
     while time.monotonic() < deadline:
-        if path.exists() and path.read_text() and int(path.read_text()) >= step:
+        text = path.read_text() if path.exists() else ""
+        if text.strip() and int(text) >= step:  # read once: the worker rewrites it
             return
         time.sleep(0.02)
     raise AssertionError(f"worker {rank} did not reach step {step} within {timeout} s")
