@@ -377,7 +377,10 @@ class StrategyExtended(ExtendedVariablesMixin):
             f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op "
             f"{reduce_op}: with {self._num_replicas_in_sync} replicas, summing one value that is "
             "the same on every replica is ill-defined. Pass a PerReplica value (e.g. the output "
-            "of strategy.run) or use ReduceOp.MEAN."
+            "of strategy.run) or use ReduceOp.MEAN. In replica context (v.assign_add(n) on a "
+            "SUM variable inside strategy.run), a Python number such as x.shape[0] is this one "
+            "value; pass an array (np.int32(n), jnp.asarray(n), torch.tensor(n)) to sum each "
+            "replica's own."
         )
 
     def _to_destinations(self, value: Any, destinations: Any) -> Any:
