@@ -168,6 +168,13 @@ PURPOSES = {
         "worker must call it, not only the chief: the others take part in the reads and "
         "write nothing (see docs/multi-host.md). The save failed before writing anything."
     ),
+    "checkpoint restore": (
+        "A checkpoint restore (polydist.checkpoint.restore, train.Checkpoint.restore or "
+        "read, CheckpointManager.restore_or_initialize) checks with one collective that "
+        "every worker restores the same checkpoint, so every worker must call it, also "
+        "one that found no checkpoint (restore(None)); see docs/multi-host.md. Nothing "
+        "was restored."
+    ),
 }
 
 

@@ -30,6 +30,7 @@ Names in the checkpoint:
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, cast
@@ -53,8 +54,10 @@ from polydist._valuetypes.variables import (
     _global_copies,
     tracked_variables,
 )
+from polydist.checkpoint._format import _MANIFEST_NAME
 from polydist.checkpoint._io import (
     CheckpointError,
+    CheckpointNotFoundError,
     Manifest,
     read_arrays,
     read_manifest,
@@ -135,8 +138,17 @@ def restore(
         CheckpointNotFoundError: there is no checkpoint at ``directory_or_path``.
     """
     _require_cross_replica("restore")
-    items, _ = _collect(variables_or_strategy_or_nest, "restore")
-    manifest = read_manifest(directory_or_path)
+    items, strategy = _collect(variables_or_strategy_or_nest, "restore")
+    try:
+        manifest = read_manifest(directory_or_path)
+    except CheckpointNotFoundError:
+        found = None
+    else:
+        found = manifest
+    # Every worker process must restore the same checkpoint (only the chief wrote it).
+    agree_on_restore(_restore_strategies(items, strategy), found, directory_or_path)
+    if found is None:
+        manifest = read_manifest(directory_or_path)  # raises CheckpointNotFoundError
     problems = []
     for key, var in items:
         spec = manifest.arrays.get(key)
@@ -301,3 +313,64 @@ def exact_sum_split(value: np.ndarray, n: int) -> list[np.ndarray]:
         negative_zero = np.full_like(flat, complex(-0.0, -0.0) if flat.dtype.kind == "c" else -0.0)
         parts = [flat.copy()] + [negative_zero.copy() for _ in range(n - 1)]
     return [p.reshape(value.shape) for p in parts]
+
+
+def agree_on_restore(strategies: Any, manifest: Manifest | None, looked_in: object) -> None:
+    """Checks, on a cluster of worker processes, that every worker restores the same
+    checkpoint (or that none restores one); raises ``CheckpointMismatchError`` on every
+    worker otherwise. Only the chief writes checkpoints, so a worker that cannot read the
+    chief's directory would otherwise go on from other weights and another input
+    position than the rest, silently. One collective (a gather of a few int32s) per
+    restore, only where several worker processes run."""
+    cluster = [s for s in {id(s): s for s in strategies}.values() if _worker_processes(s) > 1]
+    if not cluster:
+        return
+    strategy = cluster[0]
+    mine = [0, 0, 0, 0]
+    if manifest is not None:
+        digest = hashlib.sha256((Path(manifest.path) / _MANIFEST_NAME).read_bytes()).digest()
+        mine = [1, manifest.step % 2**31] + [
+            int.from_bytes(digest[i : i + 4], "little") % 2**31 for i in (0, 4)
+        ]
+    with collective_purpose("checkpoint restore"):
+        seen = np.asarray(strategy.gather(np.asarray([mine], np.int32), axis=0))
+    rows = [tuple(int(v) for v in row) for row in seen.reshape(-1, 4)]
+    if len(set(rows)) == 1:
+        return
+    me = int(strategy.extended._worker_index)
+
+    def view(w: int, row: tuple[int, ...]) -> str:
+        this = " (this worker)" if w == me else ""
+        if not row[0]:
+            return f"worker {w}{this}: no checkpoint"
+        return f"worker {w}{this}: the checkpoint of step {row[1]} (manifest {row[2]:08x})"
+
+    raise CheckpointMismatchError(
+        "The workers would restore different checkpoints, and so train from different "
+        "weights and input positions without any error:\n"
+        + "\n".join(f"  - {view(w, row)}" for w, row in enumerate(rows))
+        + f"\nThis worker looked in {os.fspath(cast(Any, looked_in))!r}. Only the chief "
+        "writes checkpoints (TF's other workers write to a temporary directory), so every "
+        "worker must restore from the chief's directory: give every worker the same path "
+        "on a filesystem they all read (on one machine, the same directory), or copy the "
+        "chief's latest checkpoint to each worker before restoring. Every worker raised "
+        "this error; nothing was restored."
+    )
+
+
+def _restore_strategies(items: Any, strategy: Strategy | None) -> list[Strategy]:
+    found = [] if strategy is None else [strategy]
+    found += [s for _, v in items if (s := getattr(v, "_distribute_strategy", None))]
+    if _context.has_strategy():
+        found.append(_context.get_strategy())
+    return found
+
+
+def _worker_processes(strategy: Any) -> int:
+    """The workers of ``strategy`` that run in processes of their own (1: none, or all
+    simulated in this one, where every worker reads the same files)."""
+    extended = getattr(strategy, "extended", None)
+    mode = getattr(extended, "_in_multi_worker_mode", None)
+    if mode is None or not mode() or getattr(extended, "_runs_other_workers", lambda: True)():
+        return 1
+    return int(getattr(extended, "_num_workers", 1))

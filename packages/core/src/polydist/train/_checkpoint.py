@@ -40,6 +40,7 @@ from polydist._collectives.check import collective_purpose
 from polydist._strategies import context as _context
 from polydist._valuetypes.variables import Variable, VariableAggregation, _components
 from polydist.checkpoint._io import (
+    CheckpointNotFoundError,
     JSONValue,
     Manifest,
     read_arrays,
@@ -52,6 +53,7 @@ from polydist.checkpoint._save import (
     _restored_copies,
     _saved_info,
     _saved_value,
+    agree_on_restore,
 )
 from polydist.train._objects import (
     _decode,
@@ -444,9 +446,26 @@ class Checkpoint:
         for TF's assertions. Every value is checked (names, shapes, dtypes, checksums)
         before any is changed."""
         if save_path is None:
+            self._agree(None, "(no checkpoint: save_path=None)")
             return InitializationOnlyStatus()
         self.save_counter  # noqa: B018 -- restore() expects it, as TF's does
         return self._restore(save_path, counter=True)
+
+    def _strategies(self) -> list[Any]:
+        found = []
+        for slot in self._slots(counter=False):
+            obj = slot.var if isinstance(slot, _VarSlot) else slot.obj
+            strategy = getattr(obj, "distribute_strategy", None) or getattr(obj, "_strategy", None)
+            if strategy is not None:
+                found.append(strategy)
+        if _context.has_strategy():
+            found.append(_context.get_strategy())
+        return found
+
+    def _agree(self, manifest: Any, looked_in: object) -> None:
+        """Every worker process restores the same checkpoint, or none (see
+        ``checkpoint.restore``): only the chief wrote it."""
+        agree_on_restore(self._strategies(), manifest, looked_in)
 
     def read(self, save_path: str | os.PathLike[str], options: Any = None) -> _Status:
         """As ``restore``, but for a checkpoint ``write`` wrote: ``save_counter`` is
@@ -455,7 +474,12 @@ class Checkpoint:
 
     def _restore(self, save_path: str | os.PathLike[str], *, counter: bool) -> _Status:
         _require_cross_replica_train()
-        manifest = read_manifest(save_path)
+        try:
+            manifest = read_manifest(save_path)
+        except CheckpointNotFoundError:
+            self._agree(None, save_path)
+            raise
+        self._agree(manifest, save_path)
         slots = self._slots(counter=counter)
         meta = manifest.metadata.get(_META)
         found = meta.get("state_dicts") if isinstance(meta, dict) else None

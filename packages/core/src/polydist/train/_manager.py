@@ -201,14 +201,16 @@ class CheckpointManager:
             raise
         self._latest = path
         if out is None:
-            return path  # not the chief: nothing to delete either
+            # not the chief: it wrote nothing, so deletes nothing, but lists what the chief keeps
+            self._sweep(delete=False)
+            return path
         self._sweep()
         from polydist.checkpoint._io import _write_pointer  # the same pointer, pruned
 
         _write_pointer(Path(self._directory), Path(path).name, self._record_state())
         return path
 
-    def _sweep(self) -> None:
+    def _sweep(self, delete: bool = True) -> None:
         if not self._max_to_keep:
             return
         while len(self._maybe_delete) > self._max_to_keep:
@@ -216,7 +218,8 @@ class CheckpointManager:
             if self._keep_hours and stamp - self._keep_hours * 3600.0 >= self._last_preserved:
                 self._last_preserved = stamp
                 continue
-            delete_checkpoint(path)
+            if delete:
+                delete_checkpoint(path)
 
     def restore_or_initialize(self) -> str | None:
         """Restores the latest checkpoint and returns its path; without one, calls
@@ -226,6 +229,8 @@ class CheckpointManager:
             if self._checkpoint_interval is not None:
                 self._last_checkpoint_step = int(np.asarray(_value(self._step_counter)))
             return self._latest
+        # A worker that finds none while another restores one fails here, on every worker.
+        self._checkpoint._agree(None, self._directory)
         if self._init_fn is not None:
             self._init_fn()
         return None
