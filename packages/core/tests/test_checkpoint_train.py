@@ -499,3 +499,15 @@ def test_a_manager_killed_at_random_moments_keeps_a_good_latest(tmp_path: Path) 
     manager.restore_or_initialize()  # numbering goes on from the restored save_counter
     assert manager.save() is not None
     assert not [p for p in root.iterdir() if p.name.startswith(".polydist-tmp-")]
+
+
+def test_the_restore_check_finds_the_strategy_of_a_distributed_module() -> None:
+    # A checkpoint of framework modules and optimizers alone, restored outside the scope:
+    # the workers' restore check finds the strategy through their `strategy`/`_strategy`.
+    strategy = pd.MirroredStrategy(2)
+    module, optimizer = Stateful(1.0), Stateful(2.0)
+    module.strategy = strategy  # type: ignore[attr-defined]
+    optimizer._strategy = strategy  # type: ignore[attr-defined]
+    found = Checkpoint(model=module, optimizer=optimizer)._strategies()
+    assert found == [strategy, strategy]
+    assert Checkpoint(model=Stateful(3.0))._strategies() == []

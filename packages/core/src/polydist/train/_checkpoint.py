@@ -38,6 +38,7 @@ import numpy as np
 from polydist._base.arrays import dtype_name
 from polydist._collectives.check import collective_purpose
 from polydist._strategies import context as _context
+from polydist._strategies.strategy import Strategy
 from polydist._valuetypes.variables import Variable, VariableAggregation, _components
 from polydist.checkpoint._io import (
     CheckpointNotFoundError,
@@ -455,9 +456,12 @@ class Checkpoint:
         found = []
         for slot in self._slots(counter=False):
             obj = slot.var if isinstance(slot, _VarSlot) else slot.obj
-            strategy = getattr(obj, "distribute_strategy", None) or getattr(obj, "_strategy", None)
-            if strategy is not None:
-                found.append(strategy)
+            # A variable's, an optimizer's, a distributed module's (polydist_torch's).
+            for name in ("distribute_strategy", "_strategy", "strategy"):
+                strategy = getattr(obj, name, None)
+                if isinstance(strategy, Strategy):
+                    found.append(strategy)
+                    break
         if _context.has_strategy():
             found.append(_context.get_strategy())
         return found
