@@ -365,18 +365,20 @@ def test_forgotten_all_reduce_warns_of_divergence() -> None:
         check_replicas_identical(strategy)
 
 
+class DropoutNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.dense = nnx.Linear(8, 8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        return self.dropout(x, rngs=rngs)  # type: ignore[no-any-return]
+
+
 def test_dropout_rng_state_is_distributed() -> None:
-    class Net(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs) -> None:
-            self.dense = nnx.Linear(8, 8, rngs=rngs)
-            self.dropout = nnx.Dropout(0.5, rngs=rngs)
-
-        def __call__(self, x: jax.Array) -> jax.Array:
-            return self.dropout(self.dense(x))  # type: ignore[no-any-return]
-
     strategy = pd.MirroredStrategy(3, backend="jax")
     with strategy.scope():
-        model = pdnnx.distribute(Net(nnx.Rngs(0)))
+        model = pdnnx.distribute(DropoutNet(nnx.Rngs(0)))
     found = pdnnx.variables(model)
     assert found["dropout/rngs/key"].dtype == jnp.uint32  # the key's data
     assert found["dropout/rngs/count"].numpy() == 0
@@ -387,13 +389,111 @@ def test_dropout_rng_state_is_distributed() -> None:
     x = np.ones((6, 8), np.float32)
     first = strategy.run(step, args=(split(strategy, x),))
     second = strategy.run(step, args=(split(strategy, x),))
-    # Each call drew new random numbers (the counter advanced in every copy) ...
-    assert found["dropout/rngs/count"].numpy() == 2
+    # Each call drew new random numbers (the counter advanced alike in every copy) ...
+    assert [c.numpy() for c in found["dropout/rngs/count"].values] == [2, 2, 2]
     check_replicas_identical(strategy)
     a, b = strategy.experimental_local_results(first), strategy.experimental_local_results(second)
     assert not np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
-    # ... and the key reads back as a key.
-    assert jnp.issubdtype(model.dropout.rngs.key[...].dtype, jax.dtypes.prng_key)
+    # ... and the key reads back as a key, outside run the stored (unfolded) one.
+    key = model.dropout.rngs.key[...]
+    assert jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    plain_key = DropoutNet(nnx.Rngs(0)).dropout.rngs.key[...]
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(plain_key))
+
+
+def hand_masks(replicas: int, steps: int, width: int) -> list[list[np.ndarray]]:
+    """Each replica's dropout outputs from plain nnx: its key is fold_in(key, replica id)
+    (the key itself with one replica)."""
+    masks: list[list[np.ndarray]] = [[] for _ in range(steps)]
+    for r in range(replicas):
+        plain = DropoutNet(nnx.Rngs(0))
+        if replicas > 1:
+            stream = plain.dropout.rngs
+            assert stream is not None
+            stream.key[...] = jax.random.fold_in(stream.key[...], r)
+        for s in range(steps):
+            masks[s].append(np.asarray(plain(jnp.ones((1, width)))))
+    return masks
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 8])
+@pytest.mark.parametrize("jit", [True, False])
+def test_each_replica_draws_its_own_dropout_mask(replicas: int, jit: bool) -> None:
+    steps, width = 2, 64
+    strategy = pd.MirroredStrategy(replicas, backend=JaxBackend(jit=jit))
+    with strategy.scope():
+        model = pdnnx.distribute(DropoutNet(nnx.Rngs(0)))
+
+    def step(x: jax.Array) -> jax.Array:
+        return model(x)
+
+    x = np.ones((replicas, width), np.float32)
+    got = []
+    for _ in range(steps):
+        out = strategy.run(step, args=(split(strategy, x),))
+        got.append([np.asarray(o) for o in strategy.experimental_local_results(out)])
+        check_replicas_identical(strategy)  # the key and the count stay mirrored
+    want = hand_masks(replicas, steps, width)
+    for s in range(steps):
+        for r in range(replicas):
+            np.testing.assert_array_equal(got[s][r], want[s][r])
+        assert len({m.tobytes() for m in got[s]}) == replicas  # no two replicas alike
+        assert 0 < np.count_nonzero(got[s][0]) < width
+    count = pdnnx.variables(model)["dropout/rngs/count"]
+    assert [c.numpy() for c in count.values] == [steps] * replicas
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_rng_streams_in_transforms_forks_and_reseeds(jit: bool) -> None:
+    replicas, width = 4, 32
+    strategy = pd.MirroredStrategy(replicas, backend=JaxBackend(jit=jit))
+    with strategy.scope():
+        model = pdnnx.distribute(DropoutNet(nnx.Rngs(0, dropout=1)))
+    x = split(strategy, np.ones((replicas, width), np.float32))
+
+    def differs(fn: Any) -> list[np.ndarray]:
+        out = strategy.run(fn, args=(x,))
+        check_replicas_identical(strategy)  # nnx wrote back no replica's folded key
+        masks = [np.asarray(o) for o in strategy.experimental_local_results(out)]
+        assert len({m.tobytes() for m in masks}) == replicas
+        return masks
+
+    def through_transforms(x: jax.Array) -> jax.Array:
+        loss, _ = nnx.value_and_grad(lambda m: (m(x) ** 2).sum())(model)
+        return nnx.jit(lambda m, x: m(x))(model, x) + 0 * loss
+
+    differs(through_transforms)
+    assert pdnnx.variables(model)["dropout/rngs/count"].numpy() == 2
+
+    # A fork holds this replica's own keys: split_rngs and vmap work on it.
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0, None))
+    def per_member(rngs: nnx.Rngs, x: jax.Array) -> jax.Array:
+        return rngs.dropout.uniform(x.shape)
+
+    forked = differs(lambda x: per_member(model.rngs.fork(), x))
+    assert forked[0].shape == (3, 1, width)
+    # An nnx.Rngs made in the step is the step's own: every replica draws the same.
+    out = strategy.run(lambda x: model(x, rngs=nnx.Rngs(dropout=5)), args=(x,))
+    same = [np.asarray(o) for o in strategy.experimental_local_results(out)]
+    assert all(np.array_equal(m, same[0]) for m in same)
+    # nnx.reseed in run stores the same new key in every copy; each replica folds it.
+    reseeded = differs(lambda x: (nnx.reseed(model, dropout=7), model(x))[1])
+    assert pdnnx.variables(model)["dropout/rngs/count"].numpy() == 1
+    plain = DropoutNet(nnx.Rngs(0, dropout=1))
+    nnx.reseed(plain, dropout=7)
+    stream = plain.dropout.rngs
+    assert stream is not None
+    stream.key[...] = jax.random.fold_in(stream.key[...], 2)  # replica 2's
+    np.testing.assert_array_equal(reseeded[2], np.asarray(plain(jnp.ones((1, width)))))
+
+    # split_rngs would change a distributed key's shape: a clear error.
+    def split_model(x: jax.Array) -> jax.Array:
+        with nnx.split_rngs(model, splits=2):
+            return x
+
+    with pytest.raises(NotImplementedError, match=r"split_rngs\(rngs.fork\(\)"):
+        strategy.run(split_model, args=(x,))
 
 
 def test_checkpoint_round_trip_into_another_replica_count(tmp_path: Path) -> None:

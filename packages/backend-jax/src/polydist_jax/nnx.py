@@ -41,7 +41,10 @@ Which polydist variable each ``nnx.Variable`` becomes:
   replica adds its own examples, and ``compute()`` outside ``run`` sees them all;
 * every other type (``nnx.Param``, optimizer state, counters, RNG state): a
   ``MirroredVariable`` with ``aggregation=NONE``; ``trainable`` is True for
-  ``nnx.Param`` only.
+  ``nnx.Param`` only. Inside ``run`` with more than one replica, an
+  ``nnx.RngKey`` reads as ``jax.random.fold_in(key, replica_id_in_sync_group)``:
+  each replica draws its own random numbers (TF's rule), while the stored key
+  and count stay mirrored.
 
 Array leaves become variables, Python numbers become arrays of JAX's dtype
 (``jnp.asarray``'s: float32 and int32 unless ``jax_enable_x64``; a plain model's
@@ -83,22 +86,40 @@ __all__ = ["distribute", "is_distributed", "variables"]
 _SLOT: Any = nnx.Variable.__dict__["_raw_value"]
 
 
+def _replica_id() -> Any:
+    """This replica's global id inside a ``run`` of more than one replica, else None."""
+    if not pd.has_strategy():
+        return None
+    ctx = pd.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync <= 1:
+        return None
+    return ctx.replica_id_in_sync_group
+
+
 class _Leaf:
     """One leaf of a bound variable's value: a polydist variable, or a static object."""
 
-    __slots__ = ("impl", "obj", "var")
+    __slots__ = ("fold", "impl", "obj", "var")
 
-    def __init__(self, var: _PdVariable | None, obj: Any = None, impl: Any = None) -> None:
+    def __init__(
+        self, var: _PdVariable | None, obj: Any = None, impl: Any = None, fold: bool = False
+    ) -> None:
         self.var = var  # None: a static leaf (obj)
         self.obj = obj
         self.impl = impl  # a PRNG key's implementation: the variable holds its key data
+        # An nnx.RngKey: inside run each replica reads fold_in(key, replica id), so that
+        # each draws its own numbers (TF's rule); the stored key stays mirrored.
+        self.fold = fold
 
     def read(self) -> Any:
         if self.var is None:
             return self.obj
         value = self.var.value()
         if self.impl is not None:
-            return jax.random.wrap_key_data(value, impl=self.impl)
+            key = jax.random.wrap_key_data(value, impl=self.impl)
+            if self.fold and (replica := _replica_id()) is not None:
+                key = _fold(key, replica)
+            return key
         return value
 
     def write(self, new: Any, name: str) -> None:
@@ -112,7 +133,34 @@ class _Leaf:
             return
         if self.impl is not None:
             new = jax.random.key_data(new)
+            if self.fold and jnp.shape(new) != tuple(self.var.shape):
+                raise NotImplementedError(
+                    f"polydist_jax.nnx: {name!r} is a distributed nnx.RngKey (key data of "
+                    f"shape {tuple(self.var.shape)}); it cannot hold keys of another shape "
+                    "(nnx.split_rngs on a distributed model). Split a fork instead: "
+                    "nnx.split_rngs(rngs.fork(), splits=n) (inside strategy.run the fork "
+                    "holds this replica's own keys)."
+                )
+            if self.fold and (replica := _replica_id()) is not None:
+                new = self._unfold(new, replica)
         self.var.assign(new, read_value=False)
+
+    def _unfold(self, new: Any, replica: Any) -> Any:
+        """The stored key where ``new`` is what this replica reads of it: nnx writes back
+        the keys it read (``nnx.grad``, ``nnx.jit``, ``restore_rngs``), and storing a
+        folded key would make the copies diverge."""
+        assert self.var is not None
+        stored = self.var.value()
+        read = jax.random.key_data(_fold(jax.random.wrap_key_data(stored, impl=self.impl), replica))
+        return jnp.where(jnp.all(new == read), stored, new)
+
+
+def _fold(key: Any, replica: Any) -> Any:
+    # fold_in takes one key; a stream built from a key array folds each key alike.
+    if key.ndim == 0:
+        return jax.random.fold_in(key, replica)
+    flat = key.reshape(-1)
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(flat, replica).reshape(key.shape)
 
 
 def _same_static(a: Any, b: Any) -> bool:
@@ -376,7 +424,7 @@ def _bind(var: Any, name: str, summed: bool = False) -> None:
             synchronization=sync,
             aggregation=aggregation,
         )
-        leaves.append(_Leaf(pd_var, impl=impl))
+        leaves.append(_Leaf(pd_var, impl=impl, fold=isinstance(var, nnx.RngKey)))
     binding = _Binding(name or "Variable", treedef, leaves)
     object.__setattr__(var, "__class__", _bound_class(type(var)))
     _SLOT.__set__(var, binding)
