@@ -1,9 +1,10 @@
 """A multi-worker training loop on jax.distributed that checkpoints its model, optimizer
 and iterator with a CheckpointManager, run under ``polydist launch -n 2``
-(mw_checkpoint.py, 2 worker processes of one XLA:CPU device): stopped and restarted,
-it ends where an uninterrupted run ends, with the simulator's weights; a worker that
-cannot read the chief's checkpoints fails on every worker instead of training from its
-initial weights. The JAX twin of backend-torch's test of the same name."""
+(``polydist_conformance.checkpoint_worker``, 2 worker processes of one XLA:CPU
+device): stopped and restarted, it ends where an uninterrupted run ends, with the
+simulator's weights; a worker that cannot read the chief's checkpoints fails on every
+worker instead of training from its initial weights. The JAX twin of backend-torch's
+test of the same name."""
 
 from __future__ import annotations
 
@@ -21,17 +22,18 @@ import numpy as np
 import pytest
 
 from polydist.backend import launch as _launch
+from polydist_conformance import checkpoint_worker
 from polydist_conformance import multiprocess_tests as mpt
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX process groups")
 
-PROGRAM = Path(__file__).resolve().parent / "mw_checkpoint.py"
+PROGRAM = Path(checkpoint_worker.__file__)
 ENGINE = mpt.Engine(
     PROGRAM,
     # The workers take JAX's one CPU device each, not the tests' 8.
     unset=("TF_CONFIG", "XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "POLYDIST_PROCESS_ID"),
     # XLA:CPU wherever the tests run (on a GPU machine JAX would take the GPU).
-    env={"JAX_PLATFORMS": "cpu"},
+    env={"JAX_PLATFORMS": "cpu", "ENGINE": "jax"},
 )
 
 

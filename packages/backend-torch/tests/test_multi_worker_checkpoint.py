@@ -1,8 +1,9 @@
 """A multi-worker training loop that checkpoints its model, optimizer and iterator with a
-CheckpointManager, run under ``polydist launch -n 2`` (mw_checkpoint.py): stopped and
-restarted, it ends where an uninterrupted run ends, with the simulator's weights; a
-worker that cannot read the chief's checkpoints fails on every worker instead of
-training from its initial weights."""
+CheckpointManager, run under ``polydist launch -n 2``
+(``polydist_conformance.checkpoint_worker``): stopped and restarted, it ends where an
+uninterrupted run ends, with the simulator's weights; a worker that cannot read the
+chief's checkpoints fails on every worker instead of training from its initial
+weights."""
 
 from __future__ import annotations
 
@@ -18,15 +19,16 @@ import numpy as np
 import pytest
 
 from polydist.backend import launch as _launch
+from polydist_conformance import checkpoint_worker
 from polydist_conformance import multiprocess_tests as mpt
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX process groups")
 
-PROGRAM = Path(__file__).resolve().parent / "mw_checkpoint.py"
+PROGRAM = Path(checkpoint_worker.__file__)
 ENGINE = mpt.Engine(
     PROGRAM,
     unset=("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"),
-    env={"TORCH_CPP_LOG_LEVEL": "ERROR", "CUDA_VISIBLE_DEVICES": ""},
+    env={"TORCH_CPP_LOG_LEVEL": "ERROR", "CUDA_VISIBLE_DEVICES": "", "ENGINE": "torch"},
 )
 
 

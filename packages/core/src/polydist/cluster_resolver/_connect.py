@@ -17,7 +17,7 @@ from typing import Any
 from polydist.cluster_resolver._base import ClusterResolver
 from polydist.cluster_resolver._cluster_spec import ClusterSpec
 
-__all__ = ["ClusterConnection", "connect_to_cluster", "connected_cluster"]
+__all__ = ["ClusterConnection", "connected_cluster", "experimental_connect_to_cluster"]
 
 _LOCAL_MASTERS = ("", "local")
 _DEFAULT_PROTOCOL = "grpc"  # TF's remote_utils default outside Google
@@ -53,7 +53,7 @@ def connected_cluster() -> ClusterConnection | None:
     return _connection
 
 
-def connect_to_cluster(
+def experimental_connect_to_cluster(
     cluster_spec_or_resolver: ClusterSpec | ClusterResolver,
     job_name: str = "localhost",
     task_index: int = 0,
@@ -61,7 +61,34 @@ def connect_to_cluster(
     make_master_device_default: bool = True,
     cluster_device_filters: Any = None,
 ) -> None:
-    """See ``polydist.config.experimental_connect_to_cluster``."""
+    """Connects to the given cluster (``tf.config.experimental_connect_to_cluster``).
+
+    As in TensorFlow: a resolver whose ``master()`` is local (``""`` or
+    ``"local"``, e.g. ``TPUClusterResolver("local")``) changes nothing; the local
+    job ``job_name`` is added to the cluster if it lacks it; calling again replaces
+    the previous connection; with ``make_master_device_default`` and a resolver,
+    its master must be one of the cluster's tasks.
+
+    polydist has no remote eager context, so nothing is reached over the network:
+    the cluster is recorded, and no device scope is entered (polydist has none).
+
+    Args:
+      cluster_spec_or_resolver: a `polydist.cluster_resolver.ClusterSpec` or
+        `polydist.cluster_resolver.ClusterResolver` describing the cluster.
+      job_name: the name of the local job.
+      task_index: the local task index; where ``job_name`` is in the cluster, one
+        of its tasks.
+      protocol: the communication protocol; default ``"grpc"``.
+      make_master_device_default: with a resolver whose master is remote, record
+        the master task's device (TF makes it the default device).
+      cluster_device_filters: must be None: polydist has no
+        ``tf.train.experimental.ClusterDeviceFilters`` (no remote devices to filter).
+
+    Raises:
+      ValueError: ``cluster_spec_or_resolver`` is neither a ``ClusterSpec`` nor a
+        ``ClusterResolver``; ``cluster_device_filters`` is given; the master is not
+        in the cluster; ``job_name``, ``task_index`` or ``protocol`` is malformed.
+    """
     global _connection
     if isinstance(cluster_spec_or_resolver, ClusterSpec):
         cluster_spec = ClusterSpec(cluster_spec_or_resolver)

@@ -49,7 +49,7 @@ from typing import Any
 from polydist.backend._contract import ENV_VAR, Backend, get_backend, local_tpu_system
 from polydist.cluster_resolver._base import ClusterResolver, format_master_url
 from polydist.cluster_resolver._cluster_spec import ClusterSpec
-from polydist.cluster_resolver._connect import connect_to_cluster
+from polydist.cluster_resolver._connect import experimental_connect_to_cluster
 from polydist.tpu import (
     LocalTPUSystem,
     SliceSpec,
@@ -240,7 +240,7 @@ class TPUClusterResolver(ClusterResolver):
         stores the system's topology in it (see `tpu_topology`).
         """
         resolver = cls(tpu, zone, project)
-        connect_to_cluster(resolver)
+        experimental_connect_to_cluster(resolver)
         _system.initialize_tpu_system(resolver)
         return resolver
 

@@ -1,8 +1,9 @@
-"""A JAX worker for ``polydist launch`` (test_multi_worker_checkpoint.py): trains with a
-``train.Checkpoint(model=, optimizer=, iterator=)`` and a ``CheckpointManager`` saving
-after every step, resuming from the latest checkpoint when there is one.
+"""A worker for ``polydist launch`` (the backends' test_multi_worker_checkpoint.py):
+trains on backend ``$ENGINE`` (torch, jax) with a ``train.Checkpoint(model=,
+optimizer=, iterator=)`` and a ``CheckpointManager`` saving after every step, resuming
+from the latest checkpoint when there is one.
 
-``python mw_checkpoint.py CKPT_DIR OUT STOP_AT [--per-worker-dir]``: stops after step
+``python checkpoint_worker.py CKPT_DIR OUT STOP_AT [--per-worker-dir]``: stops after step
 STOP_AT (0: runs to the end of the input) and writes ``OUT.<task_id>.json`` with the
 final weights, the steps run, what each step gathered and the manager's list.
 ``--per-worker-dir`` gives each worker a directory of its own (a cluster without a
@@ -34,7 +35,7 @@ def make_strategy() -> pd.Strategy:
         return pd.MultiWorkerMirroredStrategy(resolver, backend=SimBackend(num_gpus=1))
     options = pd.experimental.CommunicationOptions(timeout_seconds=60)
     return pd.MultiWorkerMirroredStrategy(
-        communication_options=options, local_devices=1, backend="jax"
+        communication_options=options, local_devices=1, backend=os.environ["ENGINE"]
     )
 
 
