@@ -12,6 +12,12 @@ batch: for ``range(10).batch(4)`` over 3 replicas (batches ``[0,1] [2,3] []``,
 5.67, while the means are 1.5, 5.5 and 8.5. ``compute_average_loss_exact``
 divides by the true global count instead (an all-reduce of the local counts)
 and gives 1.5, 5.5 and 8.5.
+
+``synchronized_moments`` is the batch statistics of a synchronized batch
+normalization (Keras' ``BatchNormalization(synchronized=True)`` under a TF
+strategy): the mean and variance over every replica's examples, not this
+replica's alone. ``polydist_torch`` runs ``nn.SyncBatchNorm`` through it and
+``polydist_jax.nnx.SyncBatchNorm`` is built on it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,12 @@ from polydist._base.reduce_op import ReduceOp
 from polydist._strategies import context as _context
 from polydist.backend._contract import backends_owning, get_backend_for_value
 
-__all__ = ["compute_average_loss", "compute_average_loss_exact", "scale_regularization_loss"]
+__all__ = [
+    "compute_average_loss",
+    "compute_average_loss_exact",
+    "scale_regularization_loss",
+    "synchronized_moments",
+]
 
 
 def _namespace(value: Any) -> Any:
@@ -157,3 +168,120 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
     xp = _namespace(regularization_loss)
     total = xp.asarray(xp.sum(convert_to_array(regularization_loss)))
     return total / xp.asarray(_num_replicas_in_sync(), dtype=total.dtype)
+
+
+def _axes(axes: Any, ndim: int) -> tuple[int, ...]:
+    items = (axes,) if isinstance(axes, int | np.integer) else tuple(axes)
+    out: list[int] = []
+    for a in items:
+        if isinstance(a, bool) or not isinstance(a, int | np.integer):
+            raise TypeError(f"synchronized_moments: axes must be integers, got {axes!r}.")
+        if not -ndim <= a < ndim:
+            raise ValueError(
+                f"synchronized_moments: axis {a} is out of range for an array of rank {ndim} "
+                f"(axes={axes!r})."
+            )
+        out.append(int(a) % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"synchronized_moments: axes {axes!r} repeat an axis.")
+    return tuple(sorted(out))
+
+
+def _divide_or_nan(xp: Any, total: Any, count: Any) -> Any:
+    """``total / count``, NaN where ``count`` is 0 (``tf.nn.moments`` of no elements),
+    without NumPy's 0/0 warning."""
+    empty = count == 0
+    return xp.where(empty, xp.full_like(total, float("nan")), total / xp.where(empty, 1, count))
+
+
+def synchronized_moments(
+    x: Any,
+    axes: Any,
+    *,
+    keepdims: bool = False,
+    mask: Any = None,
+    return_count: bool = False,
+) -> Any:
+    """The mean and variance of ``x`` over ``axes`` and over every replica in sync.
+
+    A polydist extension (TF computes the same inside Keras'
+    ``BatchNormalization(synchronized=True)``; ``tf.nn.moments`` is this
+    replica's alone). In replica context each replica passes its own part of
+    the batch, and every replica gets the moments of the whole global batch:
+    what ``tf.nn.moments(x, axes)`` gives on one device holding all of it.
+    Replicas may hold different numbers of examples, none included (the last,
+    partial batch). Outside replica context (cross-replica context, or no
+    strategy), and with one replica in sync, they are ``x``'s own moments, as
+    Keras' layer does.
+
+    It is one collective (an ``all_gather`` of each replica's count, mean and
+    sum of squared deviations, combined with Chan et al.'s pairwise formula,
+    so no cancellation of ``E[x**2] - E[x]**2``), so call it on every replica.
+    It is differentiable on the backends whose collectives are (TF's rule: a
+    gradient flows to every replica's examples). The variance is the biased
+    (population) one. Floating inputs narrower than 32 bits are computed, and
+    returned, in float32 (as Keras and Flax compute batch statistics).
+
+    Args:
+      x: a floating array, this replica's examples.
+      axes: the axes to reduce (an int or a sequence of ints), e.g. ``[0]`` for
+        a dense layer's batch, ``[0, 1, 2]`` for NHWC images.
+      keepdims: keep the reduced axes with size 1.
+      mask: ``None``, or a boolean array broadcastable to ``x``: only the
+        ``True`` elements count (Flax's ``BatchNorm(mask=...)``).
+      return_count: also return the global number of elements each statistic
+        counts (an array of the statistics' shape and dtype), e.g. for the
+        unbiased variance ``var * n / (n - 1)`` that ``torch.nn.BatchNorm``
+        keeps in its running statistics.
+
+    Returns:
+      ``(mean, variance)``, or ``(mean, variance, count)`` with
+      ``return_count=True``. Where the global count is 0 both are NaN.
+    """
+    xp = _namespace(x)
+    x = convert_to_array(x)
+    if not is_floating(xp, x.dtype):
+        raise TypeError(
+            f"synchronized_moments needs a floating array, got {describe(x)}: cast it first "
+            "(x.astype(float32))."
+        )
+    reduced = _axes(axes, len(x.shape))
+    if getattr(x.dtype, "itemsize", 4) < 4:
+        x = xp.astype(x, xp.float32)
+    if mask is None:
+        shape = tuple(1 if i in reduced else int(d) for i, d in enumerate(x.shape))
+        size = 1
+        for i in reduced:
+            size *= int(x.shape[i])
+        count = xp.full(shape, float(size), dtype=x.dtype)
+        total = xp.sum(x, axis=reduced, keepdims=True)
+        local_mean = total / count if size else xp.zeros_like(total)
+        deviation = x - local_mean
+        squares = xp.sum(deviation * deviation, axis=reduced, keepdims=True)
+    else:
+        weight = xp.astype(xp.broadcast_to(xp.asarray(mask), x.shape), x.dtype)
+        count = xp.sum(weight, axis=reduced, keepdims=True)
+        total = xp.sum(x * weight, axis=reduced, keepdims=True)
+        local_mean = _div_no_nan(xp, total, count)
+        deviation = (x - local_mean) * weight
+        squares = xp.sum(deviation * deviation, axis=reduced, keepdims=True)
+    ctx = _context.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        mean = _divide_or_nan(xp, total, count)
+        variance = _divide_or_nan(xp, squares, count)
+    else:
+        # One collective: every replica's (count, mean, M2), combined exactly as one
+        # device's two-pass moments would be (Chan, Golub & LeVeque's pairwise update).
+        packed = xp.stack([count, local_mean, squares])
+        gathered = ctx.all_gather(xp.expand_dims(packed, axis=0), axis=0)
+        counts, means, m2s = gathered[:, 0, ...], gathered[:, 1, ...], gathered[:, 2, ...]
+        count = xp.sum(counts, axis=0)
+        mean = _divide_or_nan(xp, xp.sum(counts * means, axis=0), count)
+        spread = means - xp.expand_dims(mean, axis=0)
+        m2 = xp.sum(m2s, axis=0) + xp.sum(counts * spread * spread, axis=0)
+        variance = _divide_or_nan(xp, m2, count)
+    if not keepdims:
+        mean = xp.squeeze(mean, axis=reduced)
+        variance = xp.squeeze(variance, axis=reduced)
+        count = xp.squeeze(count, axis=reduced)
+    return (mean, variance, count) if return_count else (mean, variance)
