@@ -41,6 +41,7 @@ from polydist.backend.context import current_replica
 from polydist.backend.tracing import is_tracing, swap_storage
 from polydist_torch._backend import TorchBackend, _GradMode, _OutsideDefaultDevice, torch_made
 from polydist_torch._storage import mark_variable_storage
+from polydist_torch._sync_batch_norm import adopt_sync_batch_norms
 
 __all__ = [
     "DistributedModule",
@@ -180,20 +181,8 @@ class DistributedModule(nn.Module):
         self.module = module
         prefix = f"{name}/" if name else ""
         devices = [_device_of(d) for d in _local_devices(strategy)]
-        synced = [k for k, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
-        if synced and len(devices) > 1:
-            # It syncs over torch.distributed's process group, never across the replicas
-            # of one process: each copy would silently use its own batch statistics.
-            raise TypeError(
-                f"{what}: {module.__class__.__name__} has nn.SyncBatchNorm layers "
-                f"({', '.join(repr(k) for k in synced[:5])}), which would not synchronize "
-                f"the {len(devices)} replicas of this process: SyncBatchNorm sums over "
-                "torch.distributed's process group, so each replica's copy would normalize "
-                "with its own batch statistics without a word. Use nn.BatchNorm1d/2d/3d "
-                "(per-replica statistics, as TF's BatchNormalization and DDP without "
-                "SyncBatchNorm; the state_dict keys are the same, so weights load as they "
-                "are): polydist has no synchronized BatchNorm yet."
-            )
+        # Before the copies are made: each copy's SyncBatchNorm syncs over the replicas.
+        adopt_sync_batch_norms(module, what)
         replicas = [module.to(devices[0])]
         for device in devices[1:]:
             replicas.append(copy.deepcopy(module).to(device))

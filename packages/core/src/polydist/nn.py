@@ -249,12 +249,11 @@ def synchronized_moments(
     if getattr(x.dtype, "itemsize", 4) < 4:
         x = xp.astype(x, xp.float32)
     if mask is None:
-        shape = tuple(1 if i in reduced else int(d) for i, d in enumerate(x.shape))
         size = 1
         for i in reduced:
             size *= int(x.shape[i])
-        count = xp.full(shape, float(size), dtype=x.dtype)
         total = xp.sum(x, axis=reduced, keepdims=True)
+        count = xp.full_like(total, float(size))  # on x's device
         local_mean = total / count if size else xp.zeros_like(total)
         deviation = x - local_mean
         squares = xp.sum(deviation * deviation, axis=reduced, keepdims=True)
