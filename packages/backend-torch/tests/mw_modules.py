@@ -2,7 +2,8 @@
 
 Each worker has 2 virtual CPU replicas (4 in all), trains a distributed module
 with one distributed Adam on its replicas' parts of fixed global batches, and
-writes its final weights to ``OUT/worker<rank>.pt``.
+writes its final weights to ``OUT/worker<rank>.pt``. With ``sync_batch_norm`` the
+model has an ``nn.SyncBatchNorm``, whose statistics span all 4 replicas.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ REPLICAS_PER_WORKER = 2
 STEPS = 3
 
 
-def make_model() -> nn.Module:
+def make_model(norm: type[nn.Module] | None = None) -> nn.Module:
     # Each worker its own seed: the variables start from worker 0's values (TF's
     # broadcast), which the single-device reference (no RANK) builds too.
     torch.manual_seed(int(os.environ.get("RANK", "0")))
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    if norm is None:
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    # No bias before the norm: its gradient is 0 up to rounding, which Adam would scale
+    # up to full steps of noise.
+    layers = [nn.Linear(6, 16, bias=False), norm(16), nn.Tanh(), nn.Linear(16, 3)]
+    return nn.Sequential(*layers)
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -38,13 +44,13 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def main(out: Path) -> None:
+def main(out: Path, norm: type[nn.Module] | None) -> None:
     options = pd.experimental.CommunicationOptions(timeout_seconds=150)
     strategy = polydist_torch.MultiWorkerMirroredStrategy(
         communication_options=options, local_devices=REPLICAS_PER_WORKER
     )
     with strategy.scope():
-        model = polydist_torch.distribute_module(make_model())
+        model = polydist_torch.distribute_module(make_model(norm))
         opt = polydist_torch.distribute_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> Any:
@@ -69,4 +75,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), nn.SyncBatchNorm if sys.argv[2:] == ["sync_batch_norm"] else None)

@@ -467,25 +467,6 @@ def test_ddp_s_model_module_and_modules_inside_run_are_the_replica_s_own_copy() 
         strategy.run(accumulate, args=(torch.randn(2, 6),))
 
 
-def test_sync_batchnorm_over_several_replicas_of_a_process_raises() -> None:
-    """DDP's `nn.SyncBatchNorm.convert_sync_batchnorm(model)` syncs over torch.distributed's
-    process group, never across one process's replicas: each copy normalized with its own
-    batch statistics (different running means per replica), silently."""
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.SyncBatchNorm.convert_sync_batchnorm(
-            nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
-        )
-
-    with pytest.raises(TypeError, match=r"nn.SyncBatchNorm layers \('1'\).*2 replicas"):
-        polydist_torch.distribute_module(build(), cpu_strategy(2))
-    one = polydist_torch.distribute_module(build(), cpu_strategy(1))  # nothing to sync
-    assert isinstance(one.module[1], nn.SyncBatchNorm)
-    plain = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
-    plain.load_state_dict(one.state_dict())  # the workaround: the same keys
-
-
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_clip_step"])
 def test_grad_scalers_see_the_summed_gradients_and_skip_the_same_steps(clip: bool) -> None:
     """torch.amp's loop with one GradScaler per replica: a scaler unscales and checks the
@@ -727,15 +708,18 @@ def test_numpy_view_of_variables_matches_parameters() -> None:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="torchrun on POSIX")
-def test_multi_worker_training_matches_single_device(tmp_path: Path) -> None:
+@pytest.mark.parametrize("norm", ["", "sync_batch_norm"])
+def test_multi_worker_training_matches_single_device(tmp_path: Path, norm: str) -> None:
     """2 worker processes x 2 replicas (torchrun, gloo): the workers' weights are
-    bitwise equal, and equal single-device training up to float32 rounding."""
+    bitwise equal, and equal single-device training up to float32 rounding. With an
+    nn.SyncBatchNorm, its statistics span both workers' replicas (as one nn.BatchNorm1d
+    of the whole batch; torch's own refuses CPU tensors under gloo)."""
     program = Path(__file__).resolve().parent / "mw_modules.py"
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "RANK", "WORLD_SIZE")}
     env.update(CUDA_VISIBLE_DEVICES="", TORCH_CPP_LOG_LEVEL="ERROR")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     done = subprocess.run(
-        [*torchrun, "--nproc-per-node=2", str(program), str(tmp_path)],
+        [*torchrun, "--nproc-per-node=2", str(program), str(tmp_path), *([norm] if norm else [])],
         env=env,
         timeout=300,
         capture_output=True,
@@ -744,7 +728,11 @@ def test_multi_worker_training_matches_single_device(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     workers = [torch.load(tmp_path / f"worker{w}.pt") for w in range(2)]
-    assert workers[0].keys() == workers[1].keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    linears = {"0.weight", "0.bias", "2.weight", "2.bias"}
+    if norm:
+        stats = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+        linears = {"0.weight", "3.weight", "3.bias"} | {f"1.{k}" for k in stats}
+    assert workers[0].keys() == workers[1].keys() == linears
     for k, v in workers[0].items():
         assert torch.equal(v, workers[1][k]), k
 
@@ -753,7 +741,7 @@ def test_multi_worker_training_matches_single_device(tmp_path: Path) -> None:
         import mw_modules
     finally:
         sys.path.remove(str(program.parent))
-    model = mw_modules.make_model()
+    model = mw_modules.make_model(nn.BatchNorm1d if norm else None)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for x, y in mw_modules.batches():
         F.cross_entropy(model(x), y).backward()
