@@ -53,8 +53,8 @@ class _WideningNumpy:
         return getattr(np, name)
 
     @staticmethod
-    def sum(x, axis=None, dtype=None):
-        return np.sum(x, axis=axis)
+    def sum(x, axis=None, dtype=None, keepdims=False):
+        return np.sum(x, axis=axis, keepdims=keepdims)
 
 
 class ExternalBackend:
