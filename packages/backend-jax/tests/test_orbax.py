@@ -23,18 +23,13 @@ from polydist.debugging import check_replicas_identical  # noqa: E402
 from polydist_jax import nnx as pdnnx  # noqa: E402
 
 
-class NormNet(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.dense = nnx.Linear(4, 2, rngs=rngs)
-        self.norm = nnx.BatchNorm(2, momentum=0.5, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.norm(self.dense(x))  # type: ignore[no-any-return]
+def norm_net(rngs: nnx.Rngs) -> nnx.Sequential:
+    return nnx.Sequential(nnx.Linear(4, 2, rngs=rngs), nnx.BatchNorm(2, momentum=0.5, rngs=rngs))
 
 
-def build(strategy: pd.Strategy | None, seed: int) -> tuple[NormNet, Any]:
-    def make() -> tuple[NormNet, Any]:
-        model = NormNet(nnx.Rngs(seed))
+def build(strategy: pd.Strategy | None, seed: int) -> tuple[nnx.Sequential, Any]:
+    def make() -> tuple[nnx.Sequential, Any]:
+        model = norm_net(nnx.Rngs(seed))
         return model, nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
 
     if strategy is None:
@@ -44,9 +39,9 @@ def build(strategy: pd.Strategy | None, seed: int) -> tuple[NormNet, Any]:
         return pdnnx.distribute(model), pdnnx.distribute(optimizer)
 
 
-def train(strategy: pd.Strategy, model: NormNet, optimizer: Any) -> None:
+def train(strategy: pd.Strategy, model: nnx.Sequential, optimizer: Any) -> None:
     def step(x: jax.Array) -> None:
-        def loss_fn(model: NormNet) -> jax.Array:
+        def loss_fn(model: nnx.Sequential) -> jax.Array:
             return pd.nn.compute_average_loss(jnp.sum(model(x) ** 2, axis=1))  # type: ignore[no-any-return]
 
         grads = nnx.grad(loss_fn)(model)
@@ -80,13 +75,13 @@ def test_a_distributed_model_saves_and_restores_with_orbax(tmp_path: Path) -> No
     four = pd.MirroredStrategy(4, backend="jax")
     model, optimizer = build(four, seed=0)
     train(four, model, optimizer)
-    means = pdnnx.variables(model)["norm/mean"]
+    means = pdnnx.variables(model)["layers/1/mean"]
     assert not np.array_equal(means.values[0].numpy(), means.values[3].numpy())  # per replica
     saved = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
     # Outside run nnx.state reads the polydist variables: the weights (mirrored) and the
     # batch statistics' cross-replica mean (ON_READ MEAN, as Keras' under TF).
     np.testing.assert_allclose(
-        np.asarray(saved["model"]["norm"]["mean"][...]),
+        np.asarray(saved["model"]["layers"][1]["mean"][...]),
         np.mean([c.numpy() for c in means.values], axis=0),
         rtol=1e-6,
     )
