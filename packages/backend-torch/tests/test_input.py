@@ -372,3 +372,41 @@ def test_read_ahead_stays_inside_the_epoch_the_user_began() -> None:
         assert len(passes) == epoch + 1
         assert len(list(iterator)) == 3
         assert len(passes) == epoch + 1
+
+
+def test_a_loader_with_a_distributed_sampler_is_not_sharded_again() -> None:
+    """DDP's input, `DataLoader(ds, sampler=DistributedSampler(ds))`, already gives each
+    process its share; polydist's DATA sharding across workers would keep half of it on
+    each of 2 workers, silently. It raises; the loader in distribute_datasets_from_function
+    (the way the error names) reads every example once across the workers."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from polydist.cluster_resolver import ClusterSpec, SimpleClusterResolver
+
+    def two_workers(task_id: int = 0) -> pd.Strategy:  # both simulated here, on the sim
+        resolver = SimpleClusterResolver(
+            ClusterSpec({"worker": ["host0:2222", "host1:2222"]}),
+            task_type="worker",
+            task_id=task_id,
+        )
+        return pd.MultiWorkerMirroredStrategy(resolver, backend=SimBackend())
+
+    data = TensorDataset(torch.arange(16, dtype=torch.float32))
+
+    def sharded(rank: int, batch: int) -> DataLoader[Any]:
+        return DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, 2, rank, False))
+
+    with pytest.raises(ValueError, match=r"DistributedSampler\(num_replicas=2, rank=0\)"):
+        two_workers().experimental_distribute_dataset(sharded(0, 4))
+    for rank in range(2):  # each worker reads its whole share: every example once in all
+        strategy = two_workers(rank)
+        dist = strategy.distribute_datasets_from_function(
+            lambda ctx: sharded(ctx.input_pipeline_id, ctx.get_per_replica_batch_size(8))
+        )
+        seen = sorted(
+            float(v)
+            for (step,) in dist
+            for part in strategy.experimental_local_results(step)
+            for v in np.asarray(part)
+        )
+        assert seen == list(range(rank, 16, 2))

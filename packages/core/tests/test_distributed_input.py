@@ -1090,3 +1090,42 @@ def test_mwms_warns_when_workers_shard_an_unseeded_shuffle() -> None:
 
     mwms(2).distribute_datasets_from_function(shuffled_after)
     distribute(2, data(Dataset.range(8).shuffle(8).batch(4)))
+
+
+class _Sampler:
+    """What a torch ``DistributedSampler`` holds (core's tests do not import torch)."""
+
+    def __init__(self, num_replicas: int, rank: int) -> None:
+        self.num_replicas, self.rank = num_replicas, rank
+
+
+class _Loader:
+    """A torch ``DataLoader`` look-alike: re-iterable, batches of 4, a sampler."""
+
+    def __init__(self, sampler: _Sampler | None, in_batch_sampler: bool = False) -> None:
+        self.sampler = None if in_batch_sampler else sampler
+        self.batch_sampler = type("BatchSampler", (), {"sampler": sampler})()
+
+    def __iter__(self) -> Any:
+        return iter([np.arange(4, dtype=np.float32) + 4 * i for i in range(4)])
+
+
+@pytest.mark.parametrize("in_batch_sampler", [False, True])
+def test_a_loader_already_split_between_processes_is_not_sharded_again(
+    in_batch_sampler: bool,
+) -> None:
+    """DATA sharding of a loader whose DistributedSampler gave this process its share
+    would keep 1/W of that share on each worker, silently: it raises, naming both ways."""
+    loader = _Loader(_Sampler(num_replicas=2, rank=1), in_batch_sampler)
+    with pytest.raises(
+        ValueError, match=r"_Sampler\(num_replicas=2, rank=1\), already splits"
+    ) as e:
+        mwms(2).experimental_distribute_dataset(loader)
+    assert "distribute_datasets_from_function(lambda ctx: DataLoader" in str(e.value)
+    # Not sharded: one worker, a sampler of one replica, or distribute_datasets_from_function.
+    assert len(steps(pd.MirroredStrategy(2).experimental_distribute_dataset(loader))) == 4
+    alone = _Loader(_Sampler(num_replicas=1, rank=0), in_batch_sampler)
+    # DATA sharding keeps one step per global batch: worker w takes its half of each.
+    assert steps(mwms(2).experimental_distribute_dataset(alone))[0] == [[0.0, 1.0], [2.0, 3.0]]
+    dist = mwms(2).distribute_datasets_from_function(lambda ctx: loader)
+    assert len(steps(dist)) == 4

@@ -716,6 +716,8 @@ def distribute_dataset(
             f"{layout.num_workers} workers read the input, but it is a one-shot iterator; pass "
             "a re-iterable (a Dataset, a list, or an object whose __iter__ starts over)."
         )
+    if plain and layout.num_workers > 1 and not _is_default_strategy(strategy):
+        _refuse_presharded_loader(dataset, layout.num_workers)
     if layout.num_replicas > 1:
         _check_batched(source, layout.num_replicas)
     elif one_shot:
@@ -757,6 +759,47 @@ def distribute_dataset(
         cardinality == INFINITE_CARDINALITY,
         cardinality,
         (source,) * len(pipelines) if isinstance(source, _IterableDataset) else (),
+    )
+
+
+def _distributed_sampler(loader: Any) -> Any:
+    """The sampler of a torch ``DataLoader`` (or a look-alike) that already splits the data
+    between processes, as ``DistributedSampler`` does (``num_replicas`` > 1), else None.
+    Duck-typed: core does not import torch, and Lightning's and Accelerate's samplers
+    keep the same two attributes."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        replicas = getattr(sampler, "num_replicas", None)
+        if (
+            isinstance(replicas, int)
+            and replicas > 1
+            and isinstance(getattr(sampler, "rank", None), int)
+        ):
+            return sampler
+    return None
+
+
+def _refuse_presharded_loader(dataset: Any, num_workers: int) -> None:
+    """``experimental_distribute_dataset`` DATA-shards a plain iterable across workers: a
+    loader whose sampler already gave this process its share would be sharded twice, each
+    worker training on 1/W of its share, silently (TF does the same to a dataset sharded by
+    hand under AUTO)."""
+    sampler = _distributed_sampler(dataset)
+    if sampler is None:
+        return
+    raise ValueError(
+        f"experimental_distribute_dataset got a loader whose sampler, "
+        f"{type(sampler).__name__}(num_replicas={sampler.num_replicas}, rank={sampler.rank}), "
+        f"already splits the data between processes, and it shards the input across the "
+        f"{num_workers} workers itself (DATA: each worker keeps its 1/{num_workers} slice "
+        "of every batch), so each worker would train on a fraction of its share and the "
+        "rest would be lost. Either give it the loader without the sampler (the same "
+        "global batches on every worker; polydist splits them), or build each worker's "
+        "loader in "
+        "strategy.distribute_datasets_from_function(lambda ctx: DataLoader(ds, "
+        "batch_size=ctx.get_per_replica_batch_size(global_batch), "
+        "sampler=DistributedSampler(ds, num_replicas=ctx.num_input_pipelines, "
+        "rank=ctx.input_pipeline_id))), which shards nothing."
     )
 
 
