@@ -467,8 +467,11 @@ def test_ddp_s_model_module_and_modules_inside_run_are_the_replica_s_own_copy() 
         strategy.run(accumulate, args=(torch.randn(2, 6),))
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["list", "distribute_grad_scaler"])
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_clip_step"])
-def test_grad_scalers_see_the_summed_gradients_and_skip_the_same_steps(clip: bool) -> None:
+def test_grad_scalers_see_the_summed_gradients_and_skip_the_same_steps(
+    clip: bool, distributed: bool
+) -> None:
     """torch.amp's loop with one GradScaler per replica: a scaler unscales and checks the
     gradients summed across replicas (TF's LossScaleOptimizer aggregates first), so an
     inf on one replica's part of the batch skips the step on every replica, and a clip
@@ -509,16 +512,19 @@ def test_grad_scalers_see_the_summed_gradients_and_skip_the_same_steps(clip: boo
     with strategy.scope():
         model = polydist_torch.distribute_module(make_model())
     opt = polydist_torch.distribute_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
-    scalers = [make_scaler() for _ in range(strategy.num_replicas_in_sync)]
+    # One scaler per replica: by hand, or behind one object (torch.amp's loop unchanged).
+    one = polydist_torch.distribute_grad_scaler(make_scaler(), strategy)
+    scalers = list(one.replicas) if distributed else [make_scaler() for _ in range(4)]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         replica = int(pd.get_replica_context().replica_id_in_sync_group)
-        loop_step(model, opt, scalers[replica], x, y)
+        loop_step(model, opt, one if distributed else scalers[replica], x, y)
 
     for t, (x, y) in enumerate(batches):
         dist = strategy.experimental_distribute_dataset([(batch(t, x), y)])
         strategy.run(step, args=next(iter(dist)))
     assert [s.get_scale() for s in scalers] == [ref_scaler.get_scale()] * 4
+    assert one.get_scale() == (ref_scaler.get_scale() if distributed else 2.0**10)
     pd.debugging.check_replicas_identical(strategy)
     optimizer_states_identical(opt)
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -530,10 +536,50 @@ def test_grad_scalers_see_the_summed_gradients_and_skip_the_same_steps(clip: boo
         loop_step(model, opt, shared, x, y)
 
     x, y = batches[0]
-    with pytest.raises(RuntimeError, match=r"One torch.amp.GradScaler is used by replicas 0 and 1"):
+    with pytest.raises(RuntimeError, match=r"used by replicas 0 and 1.*distribute_grad_scaler"):
         strategy.run(
             shared_step, args=next(iter(strategy.experimental_distribute_dataset([(x, y)])))
         )
+
+
+def test_a_distributed_grad_scaler_is_one_object_outside_run(tmp_path: Path) -> None:
+    """Outside run: reads are replica 0's, update/set_*/load_state_dict reach every copy,
+    and a train.Checkpoint saves it and restores every copy (into another replica count)."""
+    strategy = cpu_strategy(3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    with strategy.scope():
+        one = polydist_torch.distribute_grad_scaler(scaler)
+    assert one.replicas[0] is scaler and len(one.replicas) == 3
+    assert repr(one).startswith("DistributedGradScaler(") and one.is_enabled()
+    one.set_growth_factor(4.0)
+    assert [s.get_growth_factor() for s in one.replicas] == [4.0] * 3
+    assert one.get_growth_interval() == 1  # any other attribute: the scaler's own
+    scaled = strategy.run(lambda: one.scale(torch.ones(())))  # each replica's scale made
+    assert [float(v) for v in strategy.experimental_local_results(scaled)] == [2.0**8] * 3
+    one.update(2.0**5)
+    assert [s.get_scale() for s in one.replicas] == [2.0**5] * 3
+    saved = one.state_dict()
+    assert saved["scale"] == 2.0**5 and saved["growth_factor"] == 4.0
+    one.load_state_dict({**saved, "scale": 2.0**3})
+    assert [s.get_scale() for s in one.replicas] == [2.0**3] * 3
+
+    inside = strategy.run(lambda: torch.tensor(one.get_scale()))
+    assert [float(v) for v in strategy.experimental_local_results(inside)] == [2.0**3] * 3
+
+    path = pd.train.Checkpoint(scaler=one).save(str(tmp_path / "ckpt"))
+    other = polydist_torch.distribute_grad_scaler(torch.amp.GradScaler("cpu"), cpu_strategy(2))
+    pd.train.Checkpoint(scaler=other).restore(path).assert_consumed()
+    assert [s.get_scale() for s in other.replicas] == [2.0**3] * 2
+    assert [s.get_growth_factor() for s in other.replicas] == [4.0] * 2
+
+    with pytest.raises(TypeError, match="takes a torch.amp.GradScaler, got SGD"):
+        polydist_torch.distribute_grad_scaler(torch.optim.SGD([torch.zeros(1)]), strategy)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="is already distributed"):
+        polydist_torch.distribute_grad_scaler(one, strategy)  # type: ignore[arg-type]
+    with pytest.raises(AttributeError, match="set it through the scaler's methods"):
+        one._scale = None
+    with pytest.raises(RuntimeError, match="needs a strategy"):
+        polydist_torch.distribute_grad_scaler(torch.amp.GradScaler("cpu"))
 
 
 @pytest.mark.parametrize(

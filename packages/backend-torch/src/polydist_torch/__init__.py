@@ -26,6 +26,8 @@ from polydist_torch._backend import Reduction as Reduction
 from polydist_torch._backend import TorchBackend as TorchBackend
 from polydist_torch._devices import MAX_VIRTUAL_CPU_REPLICAS as MAX_VIRTUAL_CPU_REPLICAS
 from polydist_torch._devices import torch_device as torch_device
+from polydist_torch._grad_scaler import DistributedGradScaler as DistributedGradScaler
+from polydist_torch._grad_scaler import distribute_grad_scaler as distribute_grad_scaler
 from polydist_torch._modules import DistributedModule as DistributedModule
 from polydist_torch._modules import DistributedOptimizer as DistributedOptimizer
 from polydist_torch._modules import LocalGradientWarning as LocalGradientWarning
@@ -65,6 +67,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DistributedGradScaler",
     "DistributedModule",
     "DistributedOptimizer",
     "LocalGradientWarning",
@@ -77,6 +80,7 @@ __all__ = [
     "TorchReplicaChannel",
     "XLA_UNSUPPORTED",
     "XlaSpmdBackend",
+    "distribute_grad_scaler",
     "distribute_module",
     "distribute_optimizer",
     "parameters",

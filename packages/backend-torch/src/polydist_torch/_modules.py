@@ -788,11 +788,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"One torch.amp.GradScaler is used by replicas {first} and {r} of this "
                 "DistributedOptimizer: a GradScaler keeps one state per optimizer (unscaled "
                 "or not, its inf checks), so the replicas would mix theirs up, and each "
-                "replica's update() would change the one scale. Make one scaler per replica "
-                "outside strategy.run, `scalers = [torch.amp.GradScaler(...) for _ in "
-                "range(strategy.num_replicas_in_sync)]`, and use `scaler = "
-                "scalers[int(pd.get_replica_context().replica_id_in_sync_group)]` in the "
-                "replica function. The scalers stay equal: the gradients are summed before "
+                "replica's update() would change the one scale. Distribute it once, outside "
+                "strategy.run: `scaler = polydist_torch.distribute_grad_scaler("
+                "torch.amp.GradScaler(...), strategy)` gives each replica its own copy behind "
+                "the one object, and the copies stay equal: the gradients are summed before "
                 "a scaler checks them, so every replica skips the same steps."
             )
         with _GradMode(False), _OutsideDefaultDevice():
