@@ -165,3 +165,25 @@ def test_process_groups_and_subclasses_are_refused() -> None:
 
     with pytest.raises(TypeError, match="Mine subclasses nn.SyncBatchNorm"):
         polydist_torch.distribute_module(nn.Sequential(Mine(4)), cpu_strategy(2))
+
+
+def test_a_saved_module_is_torchs_own_again() -> None:
+    """torch.save of the distributed module's layers (and deep copies) give back plain
+    nn.SyncBatchNorm, which loads without polydist; the live layer keeps syncing."""
+    import io
+
+    model = polydist_torch.distribute_module(
+        nn.Sequential(nn.Linear(3, 2), nn.SyncBatchNorm(2)), cpu_strategy(2)
+    )
+    layer = model.module[1]
+    assert type(layer) is not nn.SyncBatchNorm and isinstance(layer, nn.SyncBatchNorm)
+    buffer = io.BytesIO()
+    torch.save(model.module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded[1]) is nn.SyncBatchNorm
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict())
+    import copy
+
+    assert type(copy.deepcopy(layer)) is nn.SyncBatchNorm
+    assert type(layer) is not nn.SyncBatchNorm  # unchanged

@@ -181,11 +181,11 @@ class DistributedModule(nn.Module):
         self.module = module
         prefix = f"{name}/" if name else ""
         devices = [_device_of(d) for d in _local_devices(strategy)]
-        # Before the copies are made: each copy's SyncBatchNorm syncs over the replicas.
-        adopt_sync_batch_norms(module, what)
         replicas = [module.to(devices[0])]
         for device in devices[1:]:
             replicas.append(copy.deepcopy(module).to(device))
+        for m in replicas:  # each copy's SyncBatchNorm syncs over the strategy's replicas
+            adopt_sync_batch_norms(m, what)
         variables: OrderedDict[str, Any] = OrderedDict()
         buffer_slots: list[tuple[str, Any]] = []
         keys = set(module.state_dict(keep_vars=True))

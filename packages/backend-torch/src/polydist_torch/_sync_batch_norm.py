@@ -27,6 +27,13 @@ __all__ = ["ReplicaSyncBatchNorm", "adopt_sync_batch_norms"]
 class ReplicaSyncBatchNorm(nn.SyncBatchNorm):
     """An ``nn.SyncBatchNorm`` whose statistics span the replicas in sync (see the module doc)."""
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickled (torch.save of the module, copy.deepcopy) as the nn.SyncBatchNorm it
+        # was, so a saved module loads without polydist. (object.__new__, not
+        # copyreg.__newobj__, which insists on the instance's own class.)
+        reduced = super().__reduce_ex__(protocol)
+        return (object.__new__, (nn.SyncBatchNorm,), *reduced[2:])
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         ctx = pd.get_replica_context()
         if not self.training or ctx is None or ctx.num_replicas_in_sync == 1:
@@ -65,7 +72,8 @@ class ReplicaSyncBatchNorm(nn.SyncBatchNorm):
 
 def adopt_sync_batch_norms(module: nn.Module, what: str) -> list[str]:
     """Turns ``module``'s ``nn.SyncBatchNorm`` layers into :class:`ReplicaSyncBatchNorm`
-    (their class only: the same object, parameters and ``state_dict``); returns their names."""
+    (their class only: the same object, parameters and ``state_dict``; pickled, they are
+    ``nn.SyncBatchNorm`` again); returns their names."""
     synced: list[tuple[str, Any]] = [
         (k, m) for k, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)
     ]
