@@ -200,8 +200,9 @@ def test_a_named_axis_collective_in_an_eager_run_says_why(jit: bool) -> None:
     why = "it could not compile: replica 0 has" if jit else r"of JaxBackend\(jit=False\)"
     with pytest.raises(
         NameError, match=f"ran the replicas eagerly, one after another, because {why}"
-    ):
+    ) as raised:
         strategy.run(step, args=(batches[-1],))  # 4 examples: replicas 4 to 7 get none
+    assert "polydist_jax.nnx.SyncBatchNorm" in str(raised.value)  # for nnx.BatchNorm's axis
 
 
 def test_a_cond_of_a_constant_and_a_per_replica_value_needs_varying(

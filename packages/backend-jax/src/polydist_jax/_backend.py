@@ -352,7 +352,8 @@ class _EagerRunner(EagerReplicaRunner):
                 "lax.psum(x, 'replica') or nnx.BatchNorm(axis_name=...). Such axes exist "
                 "only inside a compiled strategy.run, and this call ran the replicas "
                 f"eagerly, one after another, because {why}. Use the replica context's "
-                "collectives (pd.get_replica_context().all_reduce), which work in both, or "
+                "collectives (pd.get_replica_context().all_reduce), which work in both "
+                "(for batch norm: polydist_jax.nnx.SyncBatchNorm, built on them), or "
                 "keep every call compiled: pad partial batches to the full size (or batch "
                 "with drop_remainder=True) and keep JaxBackend(jit=True)."
             ) from e

@@ -46,6 +46,10 @@ Which polydist variable each ``nnx.Variable`` becomes:
   each replica draws its own random numbers (TF's rule), while the stored key
   and count stay mirrored.
 
+``SyncBatchNorm`` is ``nnx.BatchNorm`` with the batch statistics of the global
+batch (``polydist.nn.synchronized_moments``), Keras'
+``BatchNormalization(synchronized=True)``.
+
 Array leaves become variables, Python numbers become arrays of JAX's dtype
 (``jnp.asarray``'s: float32 and int32 unless ``jax_enable_x64``; a plain model's
 checkpoint saves them with the same dtype), PRNG keys are stored as their key
@@ -77,8 +81,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 import polydist as pd
 from polydist import Variable as _PdVariable
 from polydist_jax import _functional
+from polydist_jax._nnx_batch_norm import SyncBatchNorm
 
-__all__ = ["distribute", "is_distributed", "variables"]
+__all__ = ["SyncBatchNorm", "distribute", "is_distributed", "variables"]
 
 # The slot that holds an nnx.Variable's value. A bound variable's slot holds its
 # _Binding instead, and its class (a subclass of its own class) reads and writes the
