@@ -35,9 +35,10 @@ class SyncBatchNorm(nnx.BatchNorm):
     are updated with ``nnx.BatchNorm``'s formula from those, so they stay
     identical on every replica, and one device on the whole batch computes
     the same. The variance is the two-pass one combined across replicas
-    (Chan's formula), whatever ``use_fast_variance`` says. Outside ``run``, or
-    without a strategy, the statistics are the input's own. In eval mode
-    (``use_running_average=True``) it is ``nnx.BatchNorm``.
+    (Chan's formula), whatever ``use_fast_variance`` says. In eval mode
+    (``use_running_average=True``), and where there is nothing to synchronize
+    (no strategy, outside ``run``, one replica in sync), it is
+    ``nnx.BatchNorm``, call for call.
 
     ``axis_name`` and ``axis_index_groups`` are refused: polydist does the
     synchronization, over all replicas (a mesh axis name does not exist in
@@ -70,8 +71,11 @@ class SyncBatchNorm(nnx.BatchNorm):
     ) -> jax.Array:
         """Normalizes ``x`` (see ``nnx.BatchNorm.__call__``)."""
         running = self.use_running_average if use_running_average is None else use_running_average
-        if running is None or running:
-            # Eval mode is nnx.BatchNorm's (and so is its error when no mode is set).
+        ctx = pd.get_replica_context()
+        if running is None or running or ctx is None or ctx.num_replicas_in_sync == 1:
+            # Eval mode, and nothing to synchronize (no strategy, cross-replica context,
+            # one replica): nnx.BatchNorm's own call, use_fast_variance and its error when
+            # no mode is set included (as torch's SyncBatchNorm falls back to BatchNorm).
             return super().__call__(x, use_running_average, mask=mask)  # type: ignore[no-any-return]
 
         # As nnx.BatchNorm.__call__, with synchronized_moments for _compute_stats.
