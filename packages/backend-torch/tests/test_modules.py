@@ -963,3 +963,51 @@ def test_torch_optimizers_step_outside_the_default_device_mode(
     assert set(depths["users"]) == {1} and len(depths["users"]) in (replicas, 2 * replicas)
     for inner in opt.replicas:
         assert {str(v.device) for s in inner.state.values() for v in s.values()} == {"cpu"}
+
+
+def test_gradients_added_to_a_sum_raise_and_zeroed_ones_are_summed_again() -> None:
+    """After the gradients were summed and neither stepped nor zeroed through the optimizer
+    (all_reduce_gradients() to look at them, or a step a GradScaler skipped): zeroed by
+    model.zero_grad(), the next backward's gradients are summed again (they were left
+    unsummed, each replica stepping its own); added to the sum, the next sum raises."""
+    x, y = next(iter(make_loader(examples=16, batch=16)))
+    first, second = (x[:8], y[:8]), (x[8:], y[8:])
+    reference = make_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    per_example_loss(reference, *second).mean().backward()
+    ref_opt.step()
+
+    strategy = cpu_strategy(2)
+    with strategy.scope():
+        model = polydist_torch.distribute_module(make_model())
+    opt = polydist_torch.distribute_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+    def look_then_train(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> None:
+        pd.nn.compute_average_loss(per_example_loss(model, a, b)).backward()
+        opt.all_reduce_gradients()  # e.g. to log the global gradient norm
+        model.zero_grad()
+        pd.nn.compute_average_loss(per_example_loss(model, c, d)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def split(t: torch.Tensor) -> Any:
+        return strategy.experimental_distribute_values_from_function(
+            lambda ctx: t.chunk(2)[ctx.replica_id_in_sync_group]
+        )
+
+    strategy.run(look_then_train, args=tuple(split(t) for t in (*first, *second)))
+    assert pd.debugging.check_replicas_identical(strategy) == 4
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+    def accumulate_onto_the_sum(a: torch.Tensor, b: torch.Tensor) -> None:
+        pd.nn.compute_average_loss(per_example_loss(model, a, b)).backward()
+        opt.all_reduce_gradients()
+        pd.nn.compute_average_loss(per_example_loss(model, a, b)).backward()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match=r"backward\(\) added to gradients that were already"):
+        strategy.run(accumulate_onto_the_sum, args=(split(x), split(y)))
+    opt.zero_grad()  # clears it: the next step is an ordinary one
+    strategy.run(distributed_step(model, opt), args=(split(x), split(y)))
+    assert pd.debugging.check_replicas_identical(strategy) == 4

@@ -704,6 +704,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
         self._sentinels: list[torch.Tensor | None] = []
         self._accumulated: dict[int, tuple[int, int]] = {}
+        # Replicas whose backward() added to gradients already summed (see _watch_gradients).
+        self._stale: set[int] = set()
         self._warned_local = False
         # Each GradScaler that stepped this optimizer -> the one replica it belongs to.
         self._scalers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -715,7 +717,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         each backward accumulates into it, so that the sum can tell a gradient changed
         in place after backward (a clip): one hook per replica per step, not per
         parameter. The hooks go with this optimizer."""
-        accumulated = self._accumulated  # the hooks hold this, not the optimizer
+        accumulated = self._accumulated  # the hooks hold these, not the optimizer
+        reduced, stale = self._reduced, self._stale
 
         def record(r: int) -> Callable[[torch.Tensor], None]:
             def hook(p: torch.Tensor) -> None:
@@ -724,11 +727,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
             return hook
 
+        def before(r: int, sentinel: weakref.ref[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+            # A backward() after the gradients were summed and neither stepped nor zeroed
+            # through this optimizer (a step a GradScaler skipped, or all_reduce_gradients()
+            # alone): zeroed some other way (model.zero_grad()), they are summed again;
+            # added to the sum, they cannot be (it would count N times), so the sum raises.
+            def hook(incoming: torch.Tensor) -> None:
+                if reduced.get(r):
+                    p = sentinel()
+                    old = None if p is None else p.grad
+                    if old is None or not bool(old.any()):
+                        reduced[r] = False
+                    else:
+                        stale.add(r)
+
+            return hook
+
         for r in range(len(self._replicas)):
             params = [p for p in self._params(r) if p.requires_grad]
             self._sentinels.append(params[0] if params else None)
             if params:
                 handle = params[0].register_post_accumulate_grad_hook(record(r))  # type: ignore[no-untyped-call]
+                weakref.finalize(self, handle.remove)
+                handle = params[0].register_hook(before(r, weakref.ref(params[0])))  # type: ignore[no-untyped-call]
                 weakref.finalize(self, handle.remove)
 
     def _warn_if_changed_after_backward(self, r: int) -> None:
@@ -872,6 +893,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _all_reduce_gradients(self, r: int) -> None:
         if self._reduced.get(r):
+            if r in self._stale:
+                raise RuntimeError(
+                    "DistributedOptimizer: backward() added to gradients that were already "
+                    "summed across replicas (by all_reduce_gradients(), or a GradScaler's "
+                    "unscale_ in a step it then skipped) with no optimizer.zero_grad() or "
+                    "step() in between. Summing again would count the summed part "
+                    f"{self._strategy.num_replicas_in_sync} times, and not summing would "
+                    "leave each replica its own gradients. Call optimizer.zero_grad() after "
+                    "every step, a skipped one too, and sum once, after the last backward() "
+                    "of the step."
+                )
             return
         if self._alone:
             # One replica in sync: the sum is its own gradients, so nothing is copied.
@@ -1012,12 +1044,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     opt.zero_grad(set_to_none=True)
                 bucket.clear()  # the next backward() finds the bucket zeroed
             self._reduced[0] = False
+            self._stale.discard(0)
             return
         chosen = self._replicas if r is None else (self._replicas[r],)
         for opt in chosen:
             _zero_grad_wrapped(opt, set_to_none)
         for i in range(len(self._replicas)) if r is None else (r,):
             self._reduced[i] = False
+            self._stale.discard(i)
 
     def state_dict(self) -> dict[str, Any]:
         """Replica 0's ``state_dict`` (torch's format; every replica holds the same)."""
