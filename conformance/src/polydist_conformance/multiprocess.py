@@ -452,6 +452,19 @@ def _train(strategy: pd.Strategy, args: argparse.Namespace, out: Path, rank: int
     )
 
 
+def write_error(out: Path, rank: int, error: BaseException) -> None:
+    """Records ``error`` as worker ``rank``'s (``error<rank>.json``, what the harness's
+    ``multiprocess_tests.error`` reads); the worker then exits with code 17."""
+    record = {
+        "type": type(error).__name__,
+        "message": str(error),
+        "time": time.time(),
+        "traceback": traceback.format_exc(),
+    }
+    (out / f"error{rank}.json").write_text(json.dumps(record))
+    sys.stdout.flush()
+
+
 def wait_for_peers(out: Path, rank: int, seconds: float = 30.0) -> None:
     """Worker 0 leaves last: it hosts the cluster's coordination service (JAX's), and
     its exit ends the others at once, before a slower one has written its own outcome.
@@ -519,17 +532,7 @@ def main(make_strategy: Callable[[argparse.Namespace], pd.Strategy]) -> None:
         else:
             strategy.run(lambda: _ctx().all_reduce(pd.ReduceOp.SUM, np.float32(1)))
     except Exception as e:
-        (out / f"error{rank}.json").write_text(
-            json.dumps(
-                {
-                    "type": type(e).__name__,
-                    "message": str(e),
-                    "time": time.time(),
-                    "traceback": traceback.format_exc(),
-                }
-            )
-        )
-        sys.stdout.flush()
+        write_error(out, rank, e)
         if args.mode == "mismatch":  # every worker raises: let each report its own
             wait_for_peers(out, rank)
         os._exit(17)

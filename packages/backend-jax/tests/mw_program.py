@@ -9,11 +9,9 @@ every mode eagerly (``backend=JaxWorkerProcesses(jit=False)``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from polydist_conformance.multiprocess import (
     main,
     program,
     save,
+    write_error,
 )
 
 __all__ = ["D", "STEPS", "compiled_program", "load", "program"]
@@ -268,9 +267,7 @@ def _compiled_main() -> None:
         results["eager_fallback_count"] = [np.asarray(backend.eager_fallback_count)]
         save(out / f"compiled{rank}.npz", results)
     except Exception as e:
-        message = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
-        (out / f"error{rank}.json").write_text(json.dumps(message))
-        sys.stdout.flush()
+        write_error(out, rank, e)
         os._exit(17)
 
 

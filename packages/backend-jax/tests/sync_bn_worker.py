@@ -10,17 +10,15 @@ replicas' outputs and masks, the global losses and the final state), or
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import polydist as pd
-from polydist_conformance.multiprocess import D, local_components, save
+from polydist_conformance.multiprocess import D, local_components, save, write_error
 
 STEPS = 2
 #: The uneven last step's examples per global replica (the last replica gets none).
@@ -92,9 +90,7 @@ def main() -> None:
         )
         save(out / f"worker{rank}.npz", program(strategy))
     except Exception as e:
-        message = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
-        (out / f"error{rank}.json").write_text(json.dumps(message))
-        sys.stdout.flush()
+        write_error(out, rank, e)
         os._exit(17)
 
 
