@@ -4,6 +4,9 @@ outside run gives, and nnx.update of a restored state writes every replica's cop
 
 from __future__ import annotations
 
+import io
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +22,12 @@ import orbax.checkpoint as ocp  # noqa: E402  (a dependency of flax)
 from flax import nnx  # noqa: E402
 
 import polydist as pd  # noqa: E402
+from polydist.backend import launch as _launch  # noqa: E402
 from polydist.debugging import check_replicas_identical  # noqa: E402
 from polydist_jax import nnx as pdnnx  # noqa: E402
+
+# The workers take JAX's one CPU device each, not the tests' 8, and a cluster of their own.
+_UNSET = ("TF_CONFIG", "XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "POLYDIST_PROCESS_ID")
 
 
 def norm_net(rngs: nnx.Rngs) -> nnx.Sequential:
@@ -128,3 +135,32 @@ def test_an_orbax_checkpoint_of_a_plain_model_restores_into_a_distributed_one(
     for variable in pdnnx.variables(model).values():
         for copy in variable.values:
             np.testing.assert_array_equal(copy.numpy(), variable.values[0].numpy())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX process groups")
+def test_two_workers_save_and_restore_with_orbax_made_global(tmp_path: Path) -> None:
+    """Under MultiWorkerMirroredStrategy (2 processes): Orbax refuses polydist's
+    per-process arrays as they are, and takes them once its own
+    fully_replicated_host_local_array_to_global_array made them global; every worker
+    then restores what was saved, the cross-replica batch statistics included."""
+    program = Path(__file__).resolve().parent / "orbax_worker.py"
+    env = {k: v for k, v in os.environ.items() if k not in _UNSET}
+    env.update(JAX_PLATFORMS="cpu")
+    for args, where in (([], tmp_path / "global"), (["plain"], tmp_path / "plain")):
+        where.mkdir()
+        log = io.StringIO()
+        result = _launch.launch(
+            2, str(program), [str(where), *args], timeout=150, stdout=log, stderr=log, env=env
+        )
+        assert result.exit_code == 0, log.getvalue()[-3000:]
+    for w in range(2):
+        said = (tmp_path / "plain" / f"error{w}.txt").read_text()
+        assert "Cannot serialize host local jax.Array" in said
+    workers = [dict(np.load(tmp_path / "global" / f"worker{w}.npz")) for w in range(2)]
+    saved = sorted(k for k in workers[0] if k.startswith("saved"))
+    assert len(saved) > 10  # the model's and the optimizer's arrays
+    for k in saved:
+        np.testing.assert_array_equal(workers[0][k], workers[1][k], err_msg=k)  # one state
+        restored = workers[0]["restored" + k.removeprefix("saved")]
+        np.testing.assert_array_equal(restored, workers[0][k], err_msg=k)
+        np.testing.assert_array_equal(workers[1]["restored" + k.removeprefix("saved")], restored)
