@@ -8,18 +8,29 @@ STOP_AT (0: runs to the end of the input) and writes ``OUT.<task_id>.json`` with
 final weights, the steps run, what each step gathered and the manager's list.
 ``--per-worker-dir`` gives each worker a directory of its own (a cluster without a
 shared filesystem). ``ENGINE=sim`` runs the simulator's cluster of 2 in this process.
+
+`launch`, `run`, `load` and `simulated` are the tests' side: both backends' tests
+start the workers and read their results through them.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
-from typing import Any
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import polydist as pd
+from polydist.backend import launch as _launch
+
+if TYPE_CHECKING:
+    from polydist_conformance.multiprocess_tests import Engine
 
 GLOBAL_BATCH = 8
 EXAMPLES = 21  # 42 with repeat(2): 5 steps of 8 and a partial one of 2
@@ -95,6 +106,40 @@ def main() -> None:
     }
     with open(f"{args.out}.{task}.json", "w") as f:
         json.dump(result, f)
+
+
+# -- the tests' side ----------------------------------------------------------------------
+
+
+def launch(engine: Engine, *args: str) -> tuple[int, str]:
+    """Two workers of this program under ``polydist launch`` with ``engine``'s
+    environment: the exit code and their whole output."""
+    log = io.StringIO()
+    result = _launch.launch(
+        2, __file__, list(args), timeout=120, stdout=log, stderr=log, env=engine.environment()
+    )
+    return result.exit_code, log.getvalue()
+
+
+def run(engine: Engine, *args: str) -> None:
+    """`launch`, which must succeed."""
+    code, out = launch(engine, *args)
+    assert code == 0, out[-3000:]
+
+
+def load(out: Path) -> list[dict[str, Any]]:
+    """What each of the 2 workers wrote (``OUT.<task_id>.json``)."""
+    return [json.loads(Path(f"{out}.{w}.json").read_text()) for w in range(2)]
+
+
+def simulated(engine: Engine, tmp: Path) -> dict[str, Any]:
+    """The simulator's cluster of 2 workers, uninterrupted, in one process."""
+    env = {**engine.environment(), "ENGINE": "sim"}
+    args = [sys.executable, __file__, str(tmp / "ckpt"), str(tmp / "out"), "0"]
+    done = subprocess.run(args, env=env, timeout=90, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads((tmp / "out.0.json").read_text())
+    return result
 
 
 if __name__ == "__main__":

@@ -9,11 +9,8 @@ test of the same name."""
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from polydist.backend import launch as _launch
 from polydist_conformance import checkpoint_worker
 from polydist_conformance import multiprocess_tests as mpt
 
@@ -37,38 +33,15 @@ ENGINE = mpt.Engine(
 )
 
 
-def launch(*args: str) -> tuple[int, str]:
-    log = io.StringIO()
-    result = _launch.launch(
-        2, str(PROGRAM), list(args), timeout=120, stdout=log, stderr=log, env=ENGINE.environment()
-    )
-    return result.exit_code, log.getvalue()
-
-
-def run(*args: str) -> None:
-    code, out = launch(*args)
-    assert code == 0, out[-3000:]
-
-
-def load(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(Path(f"{out}.{w}.json").read_text()) for w in range(2)]
-
-
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The simulator's MultiWorkerMirroredStrategy of 2 workers, uninterrupted."""
-    tmp = tmp_path_factory.mktemp("sim")
-    env = {**ENGINE.environment(), "ENGINE": "sim"}
-    args = [sys.executable, str(PROGRAM), str(tmp / "ckpt"), str(tmp / "out"), "0"]
-    done = subprocess.run(args, env=env, timeout=90, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, Any] = json.loads((tmp / "out.0.json").read_text())
-    return result
+    return checkpoint_worker.simulated(ENGINE, tmp_path_factory.mktemp("sim"))
 
 
 def test_a_restarted_run_ends_as_the_uninterrupted_one(tmp_path: Path, sim: dict[str, Any]) -> None:
-    run(str(tmp_path / "whole"), str(tmp_path / "whole"), "0")
-    whole = load(tmp_path / "whole")
+    checkpoint_worker.run(ENGINE, str(tmp_path / "whole"), str(tmp_path / "whole"), "0")
+    whole = checkpoint_worker.load(tmp_path / "whole")
     assert whole[0]["steps"] == whole[1]["steps"] == 6 and len(sim["seen"]) == 6
     assert whole[0]["seen"] == whole[1]["seen"] == sim["seen"]  # the last step partial
     assert whole[0]["w"] == whole[1]["w"]
@@ -76,11 +49,11 @@ def test_a_restarted_run_ends_as_the_uninterrupted_one(tmp_path: Path, sim: dict
     assert whole[0]["w"] != [0.0, 0.0, 0.0]  # it trained
     # One directory for both workers (one machine): only the chief writes in it.
     ckpt = str(tmp_path / "ckpt")
-    run(ckpt, str(tmp_path / "first"), "3")
-    first = load(tmp_path / "first")
+    checkpoint_worker.run(ENGINE, ckpt, str(tmp_path / "first"), "3")
+    first = checkpoint_worker.load(tmp_path / "first")
     assert [f["steps"] for f in first] == [3, 3]
-    run(ckpt, str(tmp_path / "second"), "0")
-    second = load(tmp_path / "second")
+    checkpoint_worker.run(ENGINE, ckpt, str(tmp_path / "second"), "0")
+    second = checkpoint_worker.load(tmp_path / "second")
     for w in range(2):
         assert first[w]["seen"] + second[w]["seen"] == whole[w]["seen"]
         assert len(second[w]["seen"]) == 3  # resumed at step 4, not from the start
@@ -99,7 +72,7 @@ def _manifest_word(checkpoint: Path) -> str:
 
 def test_a_worker_without_the_chiefs_checkpoint_fails_on_every_worker(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    run(str(ckpt), str(tmp_path / "first"), "2", "--per-worker-dir")
+    checkpoint_worker.run(ENGINE, str(ckpt), str(tmp_path / "first"), "2", "--per-worker-dir")
     assert sorted(os.listdir(ckpt)) == ["worker0"]  # only the chief writes
     chiefs = sorted(n for n in os.listdir(ckpt / "worker0") if n[0] != ".")
     assert chiefs == ["checkpoint", "ckpt-1", "ckpt-2"]

@@ -7,10 +7,7 @@ weights."""
 
 from __future__ import annotations
 
-import io
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from polydist.backend import launch as _launch
 from polydist_conformance import checkpoint_worker
 from polydist_conformance import multiprocess_tests as mpt
 
@@ -32,46 +28,26 @@ ENGINE = mpt.Engine(
 )
 
 
-def launch(*args: str) -> tuple[int, str]:
-    log = io.StringIO()
-    result = _launch.launch(
-        2, str(PROGRAM), list(args), timeout=120, stdout=log, stderr=log, env=ENGINE.environment()
-    )
-    return result.exit_code, log.getvalue()
-
-
-def run(*args: str) -> None:
-    code, out = launch(*args)
-    assert code == 0, out[-3000:]
-
-
-def load(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(Path(f"{out}.{w}.json").read_text()) for w in range(2)]
-
-
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The simulator's MultiWorkerMirroredStrategy of 2 workers, uninterrupted."""
-    tmp = tmp_path_factory.mktemp("sim")
-    env = {**ENGINE.environment(), "ENGINE": "sim"}
-    args = [sys.executable, str(PROGRAM), str(tmp / "ckpt"), str(tmp / "out"), "0"]
-    done = subprocess.run(args, env=env, timeout=90, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, Any] = json.loads((tmp / "out.0.json").read_text())
-    return result
+    return checkpoint_worker.simulated(ENGINE, tmp_path_factory.mktemp("sim"))
 
 
 def test_a_restarted_run_ends_as_the_uninterrupted_one(tmp_path: Path, sim: dict[str, Any]) -> None:
-    run(str(tmp_path / "whole"), str(tmp_path / "whole"), "0")
-    whole = load(tmp_path / "whole")
+    checkpoint_worker.run(ENGINE, str(tmp_path / "whole"), str(tmp_path / "whole"), "0")
+    whole = checkpoint_worker.load(tmp_path / "whole")
     assert whole[0]["steps"] == 6 and len(sim["seen"]) == 6  # the last step partial
     assert whole[0]["seen"] == whole[1]["seen"] == sim["seen"]
     np.testing.assert_allclose(whole[0]["w"], sim["w"], rtol=1e-6, atol=1e-6)
     # One directory for both workers (one machine): only the chief writes in it.
     ckpt = str(tmp_path / "ckpt")
-    run(ckpt, str(tmp_path / "first"), "3")
-    run(ckpt, str(tmp_path / "second"), "0")
-    first, second = load(tmp_path / "first"), load(tmp_path / "second")
+    checkpoint_worker.run(ENGINE, ckpt, str(tmp_path / "first"), "3")
+    checkpoint_worker.run(ENGINE, ckpt, str(tmp_path / "second"), "0")
+    first, second = (
+        checkpoint_worker.load(tmp_path / "first"),
+        checkpoint_worker.load(tmp_path / "second"),
+    )
     for w in range(2):
         assert first[w]["seen"] + second[w]["seen"] == whole[w]["seen"]
         assert second[w]["w"] == whole[w]["w"]  # bit for bit
@@ -83,9 +59,11 @@ def test_a_restarted_run_ends_as_the_uninterrupted_one(tmp_path: Path, sim: dict
 
 def test_a_worker_without_the_chiefs_checkpoint_fails_on_every_worker(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
-    run(ckpt, str(tmp_path / "first"), "2", "--per-worker-dir")
+    checkpoint_worker.run(ENGINE, ckpt, str(tmp_path / "first"), "2", "--per-worker-dir")
     assert not os.path.exists(os.path.join(ckpt, "worker1"))  # only the chief writes
-    code, out = launch(ckpt, str(tmp_path / "second"), "0", "--per-worker-dir")
+    code, out = checkpoint_worker.launch(
+        ENGINE, ckpt, str(tmp_path / "second"), "0", "--per-worker-dir"
+    )
     assert code != 0
     for w in range(2):  # each raised it, before any step
         assert f"[worker {w}] " in out and "would restore different checkpoints" in out, out
