@@ -118,9 +118,11 @@ def test_free_ports_are_distinct() -> None:
 def test_the_failure_is_the_first_worker_to_fail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Worker 1 dies; worker 0, seeing it (as a collective would), fails 0.1 s later. With
-    # a 1 s poll both have exited at the next look: the failure is still worker 1's.
-    monkeypatch.setattr(_launch, "_POLL_SECONDS", 1.0)
+    # Worker 1 dies; worker 0, seeing it (as a collective would), fails 0.1 s later. The
+    # launcher looks once at the start and then after 5 s, when both have exited (a 1 s
+    # poll could fall between their exits on a loaded machine, and worker 0 was then
+    # stopped): the failure is still worker 1's.
+    monkeypatch.setattr(_launch, "_POLL_SECONDS", 5.0)
     script = _script(
         tmp_path,
         """
