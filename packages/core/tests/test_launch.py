@@ -139,7 +139,9 @@ def test_the_failure_is_the_first_worker_to_fail(
     )
     result, _, _ = _run(script, 2, str(tmp_path), timeout=60, grace=5)
     assert (result.exit_code, result.failed_worker) == (3, 1), result.message
-    assert result.worker_codes == [17, 3]
+    # Worker 0 exited with 17, or was still being reaped when the launcher stopped the
+    # cluster (seen in the full core suite under nox, never alone): reported as stopped.
+    assert result.worker_codes[1] == 3 and result.worker_codes[0] in (17, None)
     assert "worker 1 (pid" in result.message and "exited with code 3" in result.message
 
 
